@@ -1,0 +1,5 @@
+import sys
+
+from batchserve.cli import main
+
+sys.exit(main())

@@ -1,0 +1,158 @@
+"""LLMEngine: queue + KV bookkeeping + scheduler + executor, one `step()` at a time."""
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Any, Protocol
+
+from batchserve.config import EngineConfig
+from batchserve.core.batch import RequestOutput, ScheduledBatch, StepOutput
+from batchserve.core.kv_cache import KVCacheManager
+from batchserve.core.policies import make_policy
+from batchserve.core.scheduler import Scheduler
+from batchserve.engine.clock import WallClock
+from batchserve.engine.detokenizer import DetokState, detokenize_step, find_stop
+from batchserve.request import Request, RequestError, RequestStatus, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class Executor(Protocol):
+    num_blocks: int
+    max_model_len: int
+
+    def execute(self, batch: ScheduledBatch) -> StepOutput: ...
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, executor: Executor, tokenizer: Any | None = None,
+                 eos_token_id: int | None = None, clock: Any | None = None) -> None:
+        self.config = config
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.eos_token_id = eos_token_id
+        self.clock = clock or WallClock()
+        self.kv = KVCacheManager(executor.num_blocks, config.cache.block_size, config.cache.prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv, make_policy(config.scheduler.policy))
+        self._detok: dict[str, DetokState] = {}
+        self._ids = itertools.count()
+        self.num_generated_tokens = 0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, clock: Any | None = None) -> "LLMEngine":
+        """Load the model named by config.model and build the engine around a real runner."""
+        from batchserve.runner.loader import load_model
+        from batchserve.runner.model_runner import ModelRunner
+
+        loaded = load_model(config.model)
+        runner = ModelRunner(loaded, config.model, config.cache)
+        log.info("model %s loaded: %d layers, %.1fM params; KV pool holds %d tokens",
+                 loaded.name, loaded.config.num_layers, loaded.config.num_params() / 1e6,
+                 runner.num_blocks * config.cache.block_size)
+        return cls(config, runner, loaded.tokenizer, loaded.config.eos_token_id, clock)
+
+    # --- intake -------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None) -> list[int]:
+        if messages is not None:
+            if self.tokenizer is None:
+                raise RequestError("messages", "this model has no tokenizer / chat template")
+            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+        if isinstance(prompt, list):
+            return prompt
+        if not isinstance(prompt, str):
+            raise RequestError("prompt", "must be a string or a list of token ids")
+        if self.tokenizer is None:
+            raise RequestError("prompt", "this model has no tokenizer; pass token ids")
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def add_request(self, prompt: str | list[int] | None, params: SamplingParams, now: float | None = None,
+                    request_id: str | None = None, priority: int = 5, deadline_ms: float | None = None,
+                    deadline_kind: str = "hard", messages: list[dict] | None = None) -> Request:
+        """Validate, tokenize and queue a request. Raises RequestError naming the bad field."""
+        ids = self.tokenize(prompt, messages)
+        if not ids:
+            raise RequestError("messages" if messages is not None else "prompt", "must not be empty")
+        vocab = getattr(getattr(self.executor, "cfg", None), "vocab_size", None)
+        if vocab is not None and any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise RequestError("prompt", f"token ids must be integers in [0, {vocab})")
+        limit = self.executor.max_model_len
+        if len(ids) + params.max_tokens > limit:
+            raise RequestError("max_tokens", f"prompt ({len(ids)} tokens) plus max_tokens "
+                               f"({params.max_tokens}) exceeds the model's context of {limit} tokens")
+        need = self.kv.blocks_for(len(ids) + params.max_tokens)
+        if need > self.kv.num_blocks:
+            raise RequestError("max_tokens", f"prompt plus max_tokens needs {need} KV blocks; "
+                               f"the cache holds {self.kv.num_blocks}")
+        rid = request_id or f"req-{next(self._ids)}"
+        req = Request(rid, ids, params, self.clock.now() if now is None else now, priority=priority,
+                      deadline_ms=deadline_ms, deadline_kind=deadline_kind, eos_token_id=self.eos_token_id)
+        self.scheduler.add(req, req.arrival_time)
+        if self.tokenizer is not None:
+            self._detok[rid] = DetokState()
+        return req
+
+    def abort(self, request_id: str, now: float | None = None) -> None:
+        self.scheduler.abort(request_id, self.clock.now() if now is None else now)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished or bool(self.scheduler.finished_now)
+
+    # --- the loop -----------------------------------------------------------------------
+    def step(self, now: float | None = None) -> list[RequestOutput]:
+        """schedule -> execute -> update. With `now` given, time is virtual: the step ends at
+        now + the executor's step_time; otherwise both ends are read from the clock."""
+        start = self.clock.now() if now is None else now
+        batch = self.scheduler.schedule(start)
+        changed: list[Request] = []
+        if not batch.empty:
+            output = self.executor.execute(batch)
+            end = self.clock.now() if now is None else start + output.step_time
+            changed = self.scheduler.update(batch, output, end)
+            self.num_generated_tokens += len(output.sampled)
+        else:
+            end = start
+        new_text = {req.request_id: self._detokenize(req, end) for req in changed}
+        finished = self.scheduler.drain_finished()
+        outs = [self._output(r, 1, new_text.get(r.request_id, "")) for r in changed if not r.finished]
+        for req in finished:
+            text = new_text.get(req.request_id, "") + self._flush_text(req)
+            outs.append(self._output(req, 1 if req.request_id in new_text else 0, text))
+            self._detok.pop(req.request_id, None)
+        return outs
+
+    def _detokenize(self, req: Request, now: float) -> str:
+        """Release the text of the newest token; end the request on a stop string."""
+        st = self._detok.get(req.request_id)
+        if st is None:
+            return ""
+        new = detokenize_step(self.tokenizer, req.output_token_ids, st)
+        cut = find_stop(st.text, len(new), req.params.stop)
+        if cut >= 0:
+            new = new[:max(0, len(new) - (len(st.text) - cut))]
+            st.text = st.text[:cut]
+            st.read_offset = -1  # text is final
+            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, now)
+        return new
+
+    def _flush_text(self, req: Request) -> str:
+        """At finish, release whatever the incremental window held back."""
+        st = self._detok.get(req.request_id)
+        if st is None or st.read_offset < 0 or not req.output_token_ids:
+            return ""
+        full = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+        rest = full[len(st.text):] if full.startswith(st.text) else ""
+        st.text += rest
+        return rest
+
+    def _output(self, req: Request, n_new: int, new_text: str) -> RequestOutput:
+        st = self._detok.get(req.request_id)
+        return RequestOutput(
+            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+            token_ids=list(req.output_token_ids),
+            new_token_ids=req.output_token_ids[-n_new:] if n_new else [], finished=req.finished,
+            finish_reason=req.status.value if req.finished else None,
+            text=st.text if st is not None else "", new_text=new_text, error=req.error,
+            arrival_time=req.arrival_time, first_token_time=req.first_token_time,
+            finish_time=req.finish_time, priority=req.priority, num_preemptions=req.num_preemptions)

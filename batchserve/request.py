@@ -1,0 +1,159 @@
+"""Request: the single source of truth about one generation, and its sampling parameters."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class RequestError(ValueError):
+    """A request field is invalid; `param` names the field (used for HTTP 400 bodies)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. temperature 0 means greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k cut
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise RequestError naming the first bad field."""
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise RequestError("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 2.0:
+            raise RequestError("temperature", f"must be a number in [0, 2], got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise RequestError("top_p", f"must be a number in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise RequestError("top_k", f"must be an integer >= 0, got {self.top_k!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise RequestError("seed", f"must be an integer, got {self.seed!r}")
+        if not all(isinstance(s, str) and s for s in self.stop) or len(self.stop) > 16:
+            raise RequestError("stop", "must be up to 16 non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_DEADLINE = "deadline"
+    FINISHED_TRUNCATED = "deadline_truncated"
+    FINISHED_REJECTED = "rejected"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.PREEMPTED)
+
+
+_S = RequestStatus
+_TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
+    _S.WAITING: frozenset({_S.RUNNING} | {s for s in _S if s.finished}),
+    _S.RUNNING: frozenset({_S.PREEMPTED} | {s for s in _S if s.finished}),
+    _S.PREEMPTED: frozenset({_S.WAITING} | {s for s in _S if s.finished}),
+}
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation. Counters, not tensors: the scheduler reads and moves them.
+
+    `num_computed_tokens` counts tokens whose KV is in the cache. After preemption by
+    recompute it drops to 0 and the request re-reads prompt + output so far.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    priority: int = 5  # 0..10, higher is more urgent
+    deadline_ms: float | None = None
+    deadline_kind: str = "hard"
+    eos_token_id: int | None = None
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    max_tokens: int = 0  # effective cap; a soft deadline may lower it
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise RequestError("prompt", "must not be empty")
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool) or not 0 <= self.priority <= 10:
+            raise RequestError("priority", f"must be an integer in [0, 10], got {self.priority!r}")
+        if self.deadline_ms is not None and (not isinstance(self.deadline_ms, (int, float)) or self.deadline_ms <= 0):
+            raise RequestError("deadline_ms", f"must be a positive number, got {self.deadline_ms!r}")
+        if self.deadline_kind not in ("hard", "soft"):
+            raise RequestError("deadline_kind", f"must be 'hard' or 'soft', got {self.deadline_kind!r}")
+        if self.max_tokens == 0:
+            self.max_tokens = self.params.max_tokens
+
+    # --- derived counters -------------------------------------------------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens: the sequence whose KV the cache must hold."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def deadline(self) -> float | None:
+        """Absolute deadline (same clock as arrival_time), or None."""
+        return None if self.deadline_ms is None else self.arrival_time + self.deadline_ms / 1000.0
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+
+    def tokens_slice(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+
+    # --- state machine ------------------------------------------------------------------
+    def set_status(self, new: RequestStatus) -> None:
+        if new not in _TRANSITIONS.get(self.status, frozenset()):
+            raise RuntimeError(f"request {self.request_id}: illegal transition {self.status.name} -> {new.name}")
+        self.status = new
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished

@@ -1,0 +1,112 @@
+"""Attention over the paged KV cache, for a flat batch mixing prompt chunks and decodes.
+
+Cache layout per layer: k, v of shape [num_blocks * block_size, n_kv, head_dim]; a token at
+position p of a request lives in slot block_table[p // block_size] * block_size + p % block_size.
+The metadata is built once per step (`AttnMeta.build`) and shared by every layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSpan:
+    """A prompt chunk: flat tokens [start, end) at positions ctx_start.. of one request."""
+
+    start: int
+    end: int
+    ctx_start: int
+    ctx_slots: torch.Tensor | None  # [ctx_start + n] slots to read, None when ctx_start == 0
+    mask: torch.Tensor | None  # [n, ctx_start + n] bool, True = may attend
+
+
+@dataclass
+class AttnMeta:
+    slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
+    dec_rows: torch.Tensor | None  # [Bd] flat indices of decode tokens
+    dec_slots: torch.Tensor | None  # [Bd, Tmax] slots of each decode's context (padded with 0)
+    dec_mask: torch.Tensor | None  # [Bd, 1, 1, Tmax] bool
+    prefills: list[PrefillSpan]
+    dec_contiguous: bool  # decode rows are one contiguous range [dec_lo, dec_hi)
+    dec_lo: int = 0
+    dec_hi: int = 0
+
+    @staticmethod
+    def build(seqs: list[tuple[int, int, list[int]]], block_size: int, device: torch.device) -> "AttnMeta":
+        """seqs: (start_pos, num_tokens, block_table) per request, in flat-batch order."""
+        max_blocks = max(len(t) for _, _, t in seqs)
+        tables = torch.tensor([t + [0] * (max_blocks - len(t)) for _, _, t in seqs], dtype=torch.long)
+        offs = torch.arange(block_size, dtype=torch.long)
+        slots_all = (tables[:, :, None] * block_size + offs).view(len(seqs), -1)  # [R, max_blocks*bs]
+        new_slots: list[torch.Tensor] = []
+        dec_rows: list[int] = []
+        dec_reqs: list[int] = []
+        dec_lens: list[int] = []
+        prefills: list[PrefillSpan] = []
+        flat = 0
+        for i, (start, n, _) in enumerate(seqs):
+            new_slots.append(slots_all[i, start:start + n])
+            if n == 1 and start > 0:
+                dec_rows.append(flat)
+                dec_reqs.append(i)
+                dec_lens.append(start + 1)
+            else:
+                ctx_slots = mask = None
+                if start > 0:
+                    ctx_slots = slots_all[i, :start + n].to(device)
+                    q_pos = torch.arange(start, start + n, device=device)[:, None]
+                    mask = torch.arange(start + n, device=device)[None, :] <= q_pos
+                prefills.append(PrefillSpan(flat, flat + n, start, ctx_slots, mask))
+            flat += n
+        meta = AttnMeta(torch.cat(new_slots).to(device), None, None, None, prefills, False)
+        if dec_rows:
+            tmax = max(dec_lens)
+            lens = torch.tensor(dec_lens)
+            meta.dec_rows = torch.tensor(dec_rows, dtype=torch.long, device=device)
+            meta.dec_slots = slots_all[dec_reqs, :tmax].to(device)
+            meta.dec_mask = (torch.arange(tmax)[None, :] < lens[:, None])[:, None, None, :].to(device)
+            meta.dec_contiguous = dec_rows == list(range(dec_rows[0], dec_rows[0] + len(dec_rows)))
+            meta.dec_lo, meta.dec_hi = dec_rows[0], dec_rows[0] + len(dec_rows)
+        return meta
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+    """q: [T, n_h, hd]; k, v: [T, n_kv, hd] for the new tokens. Writes k, v into the cache,
+    then returns the attention output [T, n_h, hd]."""
+    T, n_h, hd = q.shape
+    n_kv = k.shape[1]
+    g = n_h // n_kv
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    out = torch.empty_like(q)
+    for sp in meta.prefills:
+        qs = q[sp.start:sp.end].transpose(0, 1)  # [n_h, n, hd]
+        if sp.ctx_slots is None:
+            ks = k[sp.start:sp.end].transpose(0, 1)  # [n_kv, n, hd]
+            vs = v[sp.start:sp.end].transpose(0, 1)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+        else:
+            ks = k_cache[sp.ctx_slots].transpose(0, 1)  # [n_kv, ctx, hd]
+            vs = v_cache[sp.ctx_slots].transpose(0, 1)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=sp.mask, enable_gqa=True)
+        out[sp.start:sp.end] = o.transpose(0, 1)
+    if meta.dec_rows is not None:
+        bd = meta.dec_slots.shape[0]
+        if meta.dec_contiguous:
+            qd = q[meta.dec_lo:meta.dec_hi]
+        else:
+            qd = q[meta.dec_rows]
+        qd = qd.view(bd, n_kv, g, hd)  # the g query heads sharing a kv head act as g query rows
+        kd = k_cache[meta.dec_slots].transpose(1, 2)  # [Bd, n_kv, Tmax, hd]
+        vd = v_cache[meta.dec_slots].transpose(1, 2)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.dec_mask)  # [Bd, n_kv, g, hd]
+        o = o.reshape(bd, n_h, hd)
+        if meta.dec_contiguous:
+            out[meta.dec_lo:meta.dec_hi] = o
+        else:
+            out[meta.dec_rows] = o
+    return out

@@ -1,0 +1,76 @@
+"""ModelRunner: ScheduledBatch -> flat inputs -> forward -> sample -> StepOutput.
+
+It owns the model and the KV tensors and never sees a Request or a policy."""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from batchserve.config import CacheConfig, ModelConfig
+from batchserve.core.batch import ScheduledBatch, StepOutput
+from batchserve.runner.attention import AttnMeta
+from batchserve.runner.loader import LoadedModel
+from batchserve.runner.models.llama import LlamaModel
+from batchserve.runner.sampler import sample
+
+log = logging.getLogger(__name__)
+
+
+def kv_bytes_per_block(loaded_cfg, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.tensor([], dtype=dtype).element_size()
+    return 2 * loaded_cfg.num_layers * block_size * loaded_cfg.num_kv_heads * loaded_cfg.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, model_cfg: ModelConfig, cache_cfg: CacheConfig) -> None:
+        if model_cfg.num_threads:
+            torch.set_num_threads(model_cfg.num_threads)
+        self.device = torch.device(model_cfg.device)
+        self.cfg = loaded.config
+        self.model = LlamaModel(loaded.config, loaded.weights)
+        self.dtype = self.model.embed.dtype
+        self.block_size = cache_cfg.block_size
+        per_block = kv_bytes_per_block(self.cfg, self.block_size, self.dtype)
+        self.num_blocks = cache_cfg.num_blocks or max(1, int(cache_cfg.kv_cache_gb * 2**30) // per_block)
+        slots = self.num_blocks * self.block_size
+        shape = (slots, self.cfg.num_kv_heads, self.cfg.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+                          for _ in range(self.cfg.num_layers)]
+        self.generator = torch.Generator(device=self.device).manual_seed(model_cfg.seed)
+        log.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB)", self.num_blocks,
+                 self.block_size, slots, self.num_blocks * per_block / 2**30)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.cfg.max_position_embeddings
+
+    def compute_logits(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Run the forward pass; return float32 logits [S, V] for the seqs with sample=True."""
+        ids: list[int] = []
+        pos: list[int] = []
+        sample_rows: list[int] = []
+        for s in batch.seqs:
+            ids.extend(s.token_ids)
+            pos.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
+            if s.sample:
+                sample_rows.append(len(ids) - 1)
+        meta = AttnMeta.build([(s.start_pos, len(s.token_ids), s.block_table) for s in batch.seqs],
+                              self.block_size, self.device)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        positions = torch.tensor(pos, dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, positions, meta, self.kv_caches)  # [T, H]
+        with torch.inference_mode():
+            return self.model.logits(hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)])
+
+    def execute(self, batch: ScheduledBatch) -> StepOutput:
+        t0 = time.perf_counter()
+        logits = self.compute_logits(batch)
+        seqs = [s for s in batch.seqs if s.sample]
+        sampled: dict[str, int] = {}
+        if seqs:
+            toks = sample(logits, [s.params for s in seqs], [s.output_index for s in seqs], self.generator)
+            sampled = {s.request_id: t for s, t in zip(seqs, toks)}
+        return StepOutput(sampled, time.perf_counter() - t0)

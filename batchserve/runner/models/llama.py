@@ -1,0 +1,164 @@
+"""Llama-family decoder (SmolLM, Llama 2/3, Qwen2-style bias-free, Mistral) over a flat batch.
+
+The forward takes every scheduled token of every request in one flat list (T tokens, each with
+its own position) and the paged KV cache; no request is padded. QKV and gate/up are fused into
+one matrix each at load time, so a layer is four matrix products.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchserve.runner.attention import AttnMeta, paged_attention
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int = 49152
+    hidden_size: int = 576
+    intermediate_size: int = 1536
+    num_layers: int = 30
+    num_heads: int = 9
+    num_kv_heads: int = 3
+    head_dim: int = 64
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 8192
+    tie_word_embeddings: bool = True
+    bos_token_id: int | None = 1
+    eos_token_id: int | None = 2
+
+    @staticmethod
+    def from_hf(d: dict) -> "LlamaConfig":
+        """From a Hugging Face config.json dict."""
+        heads = d["num_attention_heads"]
+        rope = d.get("rope_parameters") or d.get("rope_scaling")
+        theta = d.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
+        if rope and rope.get("rope_type", rope.get("type", "default")) == "default":
+            rope = None
+        eos = d.get("eos_token_id")
+        return LlamaConfig(
+            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"], num_layers=d["num_hidden_layers"],
+            num_heads=heads, num_kv_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-5), rope_theta=float(theta),
+            rope_scaling=dict(rope) if rope else None,
+            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        )
+
+    def to_hf(self) -> dict:
+        """As a Hugging Face LlamaConfig dict (to write config.json)."""
+        d = asdict(self)
+        return {
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "vocab_size": d["vocab_size"], "hidden_size": d["hidden_size"],
+            "intermediate_size": d["intermediate_size"], "num_hidden_layers": d["num_layers"],
+            "num_attention_heads": d["num_heads"], "num_key_value_heads": d["num_kv_heads"],
+            "head_dim": d["head_dim"], "rms_norm_eps": d["rms_norm_eps"], "rope_theta": d["rope_theta"],
+            "rope_scaling": d["rope_scaling"], "max_position_embeddings": d["max_position_embeddings"],
+            "tie_word_embeddings": d["tie_word_embeddings"], "bos_token_id": d["bos_token_id"],
+            "eos_token_id": d["eos_token_id"], "hidden_act": "silu", "attention_bias": False,
+            "mlp_bias": False, "torch_dtype": "float32",
+        }
+
+    def num_params(self) -> int:
+        h, i, hd = self.hidden_size, self.intermediate_size, self.head_dim
+        layer = h * hd * (self.num_heads * 2 + self.num_kv_heads * 2) + 3 * h * i + 2 * h
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * layer + emb + h
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2], with the config's theta and scaling."""
+    hd = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    rs = cfg.rope_scaling
+    if not rs:
+        return inv.float()
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind == "linear":
+        return (inv / rs["factor"]).float()
+    if kind == "llama3":
+        factor, lo, hi = rs["factor"], rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
+        old = rs.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi / inv
+        smooth = (old / wavelen - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        mid = (wavelen <= old / lo) & (wavelen >= old / hi)
+        return torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled).float()
+    raise ValueError(f"rope_scaling: type {kind!r} is not supported (default, linear, llama3)")
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, hd]; cos, sin: [T, 1, hd/2]. Rotates (first half, second half) pairs."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor]) -> None:
+        """`weights` uses Hugging Face names (model.layers.N.self_attn.q_proj.weight, ...)."""
+        super().__init__()
+        self.cfg = cfg
+        w = weights
+        self.embed = w["model.embed_tokens.weight"]  # [V, H]
+        self.norm = w["model.norm.weight"]
+        self.lm_head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
+        self.layers: list[dict[str, torch.Tensor]] = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            self.layers.append({
+                "attn_norm": w[p + "input_layernorm.weight"],
+                "wqkv": torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]),
+                "wo": w[a + "o_proj.weight"],
+                "mlp_norm": w[p + "post_attention_layernorm.weight"],
+                "w_gate_up": torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
+                "w_down": w[p + "mlp.down_proj.weight"],
+            })
+        self.inv_freq = rope_inv_freq(cfg).to(self.embed.device)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        f = positions.float()[:, None] * self.inv_freq[None, :]  # [T, hd/2]
+        dt = self.embed.dtype
+        return f.cos()[:, None, :].to(dt), f.sin()[:, None, :].to(dt)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """input_ids, positions: [T]. Returns final hidden states [T, H] (normed)."""
+        cfg = self.cfg
+        nq, nkv, hd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
+        cos, sin = self.rope(positions)
+        x = F.embedding(input_ids, self.embed)  # [T, H]
+        T = x.shape[0]
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
+            qkv = F.linear(h, layer["wqkv"])  # [T, nq + 2 nkv]
+            q = apply_rope(qkv[:, :nq].view(T, cfg.num_heads, hd), cos, sin)
+            k = apply_rope(qkv[:, nq:nq + nkv].view(T, cfg.num_kv_heads, hd), cos, sin)
+            v = qkv[:, nq + nkv:].view(T, cfg.num_kv_heads, hd)
+            o = paged_attention(q, k, v, k_cache, v_cache, meta)  # [T, n_h, hd]
+            x = x + F.linear(o.view(T, nq), layer["wo"])
+            h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
+            gate, up = F.linear(h, layer["w_gate_up"]).chunk(2, dim=-1)  # [T, I] each
+            x = x + F.linear(F.silu(gate) * up, layer["w_down"])
+        return rms_norm(x, self.norm, cfg.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [S, H] -> [S, V] in float32."""
+        return F.linear(hidden, self.lm_head).float()
