@@ -13,6 +13,15 @@ class RequestError(ValueError):
         self.param = param
 
 
+class OverloadedError(RuntimeError):
+    """The admission queue refused a request (HTTP 503); retry after `retry_after_s` seconds."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0, level: str | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.level = level
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop. temperature 0 means greedy."""
