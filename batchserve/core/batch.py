@@ -77,6 +77,7 @@ class RequestOutput:
     new_text: str = ""
     error: str | None = None
     arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
     priority: int = 5

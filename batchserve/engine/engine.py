@@ -154,5 +154,6 @@ class LLMEngine:
             new_token_ids=req.output_token_ids[-n_new:] if n_new else [], finished=req.finished,
             finish_reason=req.status.value if req.finished else None,
             text=st.text if st is not None else "", new_text=new_text, error=req.error,
-            arrival_time=req.arrival_time, first_token_time=req.first_token_time,
+            arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time,
+            first_token_time=req.first_token_time,
             finish_time=req.finish_time, priority=req.priority, num_preemptions=req.num_preemptions)
