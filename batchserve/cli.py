@@ -22,22 +22,64 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-blocks", type=int, default=None, help="override the pool size")
     g.add_argument("--prefix-caching", action="store_true")
     g = p.add_argument_group("scheduling")
-    g.add_argument("--policy", default=SchedulerConfig.policy)
+    g.add_argument("--policy", default=SchedulerConfig.policy,
+                   help="static | dynamic | continuous | chunked | cascade")
     g.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
     g.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
     g.add_argument("--chunk-size", type=int, default=SchedulerConfig.chunk_size)
     g.add_argument("--window-ms", type=float, default=SchedulerConfig.window_ms)
     g.add_argument("--max-batch", type=int, default=SchedulerConfig.max_batch)
+    d = SchedulerConfig
+    g.add_argument("--window-min-ms", type=float, default=d.window_min_ms, help="dynamic: shortest window")
+    g.add_argument("--window-max-ms", type=float, default=d.window_max_ms, help="dynamic: longest window")
+    g.add_argument("--slo-p99-ms", type=float, default=d.slo_p99_ms,
+                   help="dynamic: P99 end-to-end target that steers the max batch and caps the window")
+    g.add_argument("--bucket-by-length", action="store_true", help="dynamic: batch similar lengths together")
+    g.add_argument("--prefill-max-batch", type=int, default=d.prefill_max_batch, help="cascade: prefill cap")
+    g.add_argument("--decode-max-batch", type=int, default=d.decode_max_batch, help="cascade: decode cap")
+    g.add_argument("--cascade-ratio", type=int, default=d.cascade_ratio,
+                   help="cascade: decode steps between prefill steps while both stages have work")
+    g.add_argument("--cascade-workers", action="store_true",
+                   help="cascade: prefill and decode in two worker processes, KV handed across")
+    g.add_argument("--latency-profile", default=None, metavar="FILE.json",
+                   help="step-time model written by `batchserve profile`")
+    g = p.add_argument_group("admission queue")
+    g.add_argument("--queue-capacity", type=int, default=None, metavar="N",
+                   help="one queue level holding at most N waiting requests; more are refused (503)")
+    g.add_argument("--queue-config", default=None, metavar="FILE.yaml",
+                   help="priority levels, caps, overflow policies, default deadlines, urgent lane")
 
 
 def engine_config(a: argparse.Namespace) -> EngineConfig:
+    from batchserve.config import ConfigError, QueueConfig
+
+    capacity, path = getattr(a, "queue_capacity", None), getattr(a, "queue_config", None)
+    if capacity is not None and path is not None:
+        raise ConfigError("--queue-capacity and --queue-config: give one or the other")
+    queue = QueueConfig()
+    if capacity is not None:
+        queue = QueueConfig.bounded(capacity)
+    elif path is not None:
+        import yaml
+
+        try:
+            with open(path) as f:
+                queue = QueueConfig.from_dict(yaml.safe_load(f) or {})
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"--queue-config {path}: {e}") from None
     return EngineConfig(
         model=ModelConfig(model=a.model, dtype=a.dtype, device=a.device, num_threads=a.threads),
         cache=CacheConfig(block_size=a.block_size, kv_cache_gb=a.kv_cache_gb, num_blocks=a.num_blocks,
                           prefix_caching=a.prefix_caching),
         scheduler=SchedulerConfig(policy=a.policy, max_num_seqs=a.max_num_seqs,
                                   max_num_batched_tokens=a.max_num_batched_tokens, chunk_size=a.chunk_size,
-                                  window_ms=a.window_ms, max_batch=a.max_batch),
+                                  window_ms=a.window_ms, max_batch=a.max_batch,
+                                  window_min_ms=a.window_min_ms, window_max_ms=a.window_max_ms,
+                                  slo_p99_ms=a.slo_p99_ms, bucket_by_length=a.bucket_by_length,
+                                  prefill_max_batch=a.prefill_max_batch, decode_max_batch=a.decode_max_batch,
+                                  cascade_ratio=a.cascade_ratio, cascade_workers=a.cascade_workers,
+                                  latency_profile=a.latency_profile),
+        queue=queue,
     )
 
 
@@ -63,13 +105,94 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    try:
-        from batchserve.server.app import serve
-    except ImportError:  # the HTTP layer is not there yet: run the offline demo instead
-        a.prompts, a.raw, a.max_tokens, a.temperature, a.top_p, a.top_k, a.seed = (
-            ["What is the capital of France?"], False, 64, 0.0, 1.0, 0, None)
-        return cmd_generate(a)
+    from batchserve.server.run import serve
+
     return serve(a)
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    """Flags that map onto ServerConfig fields (server/config.py), and --config."""
+    from batchserve.server.config import ServerConfig
+
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default=ServerConfig.host)
+    g.add_argument("--port", type=int, default=ServerConfig.port)
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    g.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes,
+                   help="larger request bodies get 413")
+    g.add_argument("--grace-period-s", type=float, default=ServerConfig.grace_period_s,
+                   help="on SIGTERM, how long requests in flight may take to finish")
+    g.add_argument("--served-model-name", default=None, help="the model name clients use (default: the model's)")
+    g.add_argument("--default-max-tokens", type=int, default=ServerConfig.default_max_tokens,
+                   help="cap for chat requests that set no max_tokens")
+    g.add_argument("--config", default=None, metavar="FILE.yaml",
+                   help="sections model/cache/scheduler/queue/server mapping onto the config dataclasses; "
+                        "flags with non-default values win")
+
+
+def cmd_simulate(a: argparse.Namespace) -> int:
+    from batchserve.sim.runner import run_cli
+
+    return run_cli(a, engine_config(a))
+
+
+def add_simulate_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    """`batchserve simulate`: the real scheduler on a virtual clock over a cost model."""
+    from batchserve.sim.hardware import GPUS, MODELS
+    from batchserve.scenarios import CHOICES
+
+    s = sub.add_parser("simulate", parents=[common], help="simulate a workload: real scheduler, predicted steps")
+    g = s.add_argument_group("simulation")
+    g.add_argument("--workload", default="chat", help="mix (chat, mixed, short-long, priority-flood) or trace.jsonl")
+    g.add_argument("--requests", type=int, default=None, help="requests in the workload (default 1000)")
+    g.add_argument("--rate", type=float, default=10.0, help="mean arrival rate, requests/s")
+    g.add_argument("--arrival", default="poisson", help="poisson | gamma | step | ramp | onoff | replay")
+    g.add_argument("--burstiness", type=float, default=None, help="gamma arrivals: CV^2 of the gaps")
+    g.add_argument("--arrival-args", default=None, help='JSON of more arrival parameters, e.g. \'{"step_s": 5}\'')
+    g.add_argument("--scale", type=float, default=None, help="multiply every length of the mix")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--hardware", default=None, choices=sorted(GPUS), help="roofline GPU (default a100-80gb)")
+    g.add_argument("--profile", default=None, metavar="FILE.json", help="step times from `batchserve profile`")
+    g.add_argument("--max-model-len", type=int, default=None, help="override the model's context length")
+    g.add_argument("--slo-ms", type=float, default=None, help="E2E target for goodput and --sweep "
+                                                               "(default --slo-p99-ms)")
+    g.add_argument("--sweep", default=None, metavar="FIELD=V1,V2",
+                   help="rate=1,2,4 or a scheduler field (window_ms, max_batch, chunk_size, ...): "
+                        "the best setting under the SLO")
+    g.add_argument("--scenario", default=None, choices=CHOICES,
+                   help="one of the seed's case studies (A100-80GB, Llama-2-7B FP16), or all")
+    g.add_argument("--token-times", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep every token's time (ITL); default: on up to 20,000 requests")
+    g.add_argument("--out", default=None, metavar="DIR", help="records.jsonl, summary.json, timeline, plots")
+    add_engine_args(s)
+    s.set_defaults(func=cmd_simulate, model="llama-2-7b", dtype="float16")
+    s.epilog = f"--model takes {', '.join(sorted(MODELS))} or a config.json (roofline)."
+
+
+def cmd_profile(a: argparse.Namespace) -> int:
+    import dataclasses
+
+    from batchserve.profile import TINY_MODEL, report, run_profile, save
+
+    cfg = engine_config(a)
+    if a.quick:  # a tiny random model and a small grid: seconds, for tests and smoke checks
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, model="dummy", dummy_config=TINY_MODEL),
+                                  cache=dataclasses.replace(cfg.cache, kv_cache_gb=0.01))
+    prof = run_profile(cfg, quick=a.quick, reps=a.reps)
+    save(prof, a.out)
+    print(report(prof))
+    print(f"saved {a.out}")
+    return 0
+
+
+def add_profile_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    """`batchserve profile`: step times on this machine -> latency model, memory bound, knee."""
+    s = sub.add_parser("profile", parents=[common], help="measure step times, fit a latency model (JSON)")
+    s.add_argument("--out", default="profile.json", metavar="FILE.json")
+    s.add_argument("--quick", action="store_true", help="tiny dummy model, small grid (seconds)")
+    s.add_argument("--reps", type=int, default=3, help="timed repetitions per point (median)")
+    add_engine_args(s)
+    s.set_defaults(func=cmd_profile)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,10 +211,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(g)
     g.set_defaults(func=cmd_generate)
     s = sub.add_parser("serve", parents=[common], help="serve the OpenAI-compatible HTTP API")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    add_server_args(s)
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
+    add_simulate_parser(sub, common)
+    add_profile_parser(sub, common)
+    from batchserve.bench.cli import add_bench_parser
+
+    add_bench_parser(sub, [common])
     return p
 
 

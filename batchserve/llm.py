@@ -28,7 +28,7 @@ class LLM:
             parts[name] = dataclasses.replace(getattr(cfg, name), **mine)
         if kwargs:
             raise TypeError(f"LLM: unknown options {sorted(kwargs)}")
-        self.config = EngineConfig(**parts)
+        self.config = dataclasses.replace(cfg, **parts)  # keeps the queue config
         self.engine = LLMEngine.from_config(self.config)
         self.tokenizer = self.engine.tokenizer
 

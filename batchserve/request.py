@@ -101,8 +101,8 @@ class Request:
     params: SamplingParams
     arrival_time: float
     priority: int = 5  # 0..10, higher is more urgent
-    deadline_ms: float | None = None
-    deadline_kind: str = "hard"
+    deadline_ms: float | None = None  # None: the queue level's default (which may be none)
+    deadline_kind: str | None = None  # "hard" | "soft"; None: the queue level's default
     eos_token_id: int | None = None
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -113,6 +113,8 @@ class Request:
     finish_time: float | None = None
     num_preemptions: int = 0
     error: str | None = None
+    level: str | None = None  # queue level, set by the admission queue
+    urgent: bool = False  # promoted to the urgent lane (S1.5)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -121,7 +123,7 @@ class Request:
             raise RequestError("priority", f"must be an integer in [0, 10], got {self.priority!r}")
         if self.deadline_ms is not None and (not isinstance(self.deadline_ms, (int, float)) or self.deadline_ms <= 0):
             raise RequestError("deadline_ms", f"must be a positive number, got {self.deadline_ms!r}")
-        if self.deadline_kind not in ("hard", "soft"):
+        if self.deadline_kind not in (None, "hard", "soft"):
             raise RequestError("deadline_kind", f"must be 'hard' or 'soft', got {self.deadline_kind!r}")
         if self.max_tokens == 0:
             self.max_tokens = self.params.max_tokens
@@ -139,6 +141,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def hard_deadline(self) -> bool:
+        """True when missing the deadline is failure; an unset kind counts as hard."""
+        return self.deadline_ms is not None and self.deadline_kind != "soft"
 
     @property
     def deadline(self) -> float | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from batchserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from batchserve.config import CacheConfig, EngineConfig, QueueConfig, SchedulerConfig
 from batchserve.core.batch import ScheduledBatch, StepOutput
 from batchserve.engine.clock import SimClock
 from batchserve.engine.engine import LLMEngine
@@ -30,12 +30,13 @@ class FakeExecutor:
 
 @pytest.fixture
 def make_fake_engine():
-    """Factory: an LLMEngine over a FakeExecutor and a SimClock."""
+    """Factory: an LLMEngine over a FakeExecutor (or the one given) and a SimClock."""
 
-    def make(num_blocks: int = 64, block_size: int = 4, eos: int | None = None, **sched) -> LLMEngine:
+    def make(num_blocks: int = 64, block_size: int = 4, eos: int | None = None, queue: QueueConfig | None = None,
+             executor: FakeExecutor | None = None, **sched) -> LLMEngine:
         cfg = EngineConfig(cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
-                           scheduler=SchedulerConfig(**sched))
-        eng = LLMEngine(cfg, FakeExecutor(num_blocks), eos_token_id=eos, clock=SimClock())
+                           scheduler=SchedulerConfig(**sched), queue=queue or QueueConfig())
+        eng = LLMEngine(cfg, executor or FakeExecutor(num_blocks), eos_token_id=eos, clock=SimClock())
         _ENGINES.append(eng)
         return eng
 
@@ -55,7 +56,8 @@ def llm():
 @pytest.fixture(autouse=True)
 def kv_leak_check():
     yield
-    for eng in _ENGINES + _SESSION_ENGINES:
+    engines = _ENGINES + _SESSION_ENGINES
+    _ENGINES.clear()  # one failing test must not fail every later one
+    for eng in engines:
         assert not eng.scheduler.has_unfinished, "test left requests unfinished"
         eng.kv.check_all_free()
-    _ENGINES.clear()

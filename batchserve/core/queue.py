@@ -1,49 +1,242 @@
-"""Waiting queue: ordered by the spec's comparator (S1.4) — higher priority first, then
-earlier arrival. Heap with lazy deletion, so push/pop/remove are O(log n)."""
+"""The admission queue (S1): priority levels with caps and an overflow policy, an urgent lane,
+and one global order — urgent first, then higher priority, then earlier arrival (S1.4).
+
+Levels partition the priorities 0-10, so the order across levels is the same comparator as
+within one; one heap holds it. Side heaps, all with lazy deletion, answer the other
+questions in O(log n): the oldest request of a level (drop_oldest), the oldest non-urgent
+request (promotion by wait), and the next request whose deadline needs a look (promotion by
+slack, hard-deadline misses). Nothing here reads the clock: `offer` and `refresh` take `now`.
+"""
 from __future__ import annotations
 
 import heapq
 import itertools
+import math
+from typing import Callable, Iterator
 
-from batchserve.request import Request
+from batchserve.config import LevelConfig, QueueConfig
+from batchserve.core.stats import QueueMetrics, QueueStats
+from batchserve.request import OverloadedError, Request
+
+# (lane: 0 urgent / 1 normal, -priority, arrival_time, push token, request)
+_Entry = tuple[int, int, float, int, Request]
+_Side = tuple[float, int, Request]  # (time key, push token, request)
 
 
-class WaitQueue:
-    def __init__(self) -> None:
-        self._heap: list[tuple[int, float, int, Request]] = []
-        self._live: dict[str, Request] = {}
-        self._seq = itertools.count()
+class AdmissionQueue:
+    """Waiting requests, in the order the scheduler should take them.
 
+    `offer(req, now)` is admission: it applies the level's cap and overflow policy.
+    `push(req)` re-queues unconditionally (preempted requests are never refused).
+    `refresh(now, service_time)` promotes to the urgent lane and returns the hard-deadline
+    requests that can no longer make it; the scheduler calls it before every step.
+    """
+
+    def __init__(self, config: QueueConfig | None = None) -> None:
+        self.config = config or QueueConfig()
+        self.levels: dict[str, LevelConfig] = {lv.name: lv for lv in self.config.levels}
+        self._level_of = {p: lv for lv in self.config.levels for p in lv.priorities}
+        self._heap: list[_Entry] = []
+        self._live: dict[str, _Entry] = {}  # request id -> its current heap entry
+        self._count = {name: 0 for name in self.levels}
+        self._urgent = {name: 0 for name in self.levels}
+        self._oldest: dict[str, list[_Side]] = {name: [] for name in self.levels}
+        self._by_arrival: list[_Side] = []  # non-urgent requests, for promotion by wait
+        self._checks: list[_Side] = []  # requests with deadlines, by when to look again
+        self._tokens = itertools.count()
+        self.metrics = QueueMetrics(self.levels)
+
+    # --- the interface policies use --------------------------------------------------------
     def __len__(self) -> int:
         return len(self._live)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._live
 
-    def push(self, req: Request) -> None:
-        if req.request_id in self._live:
-            raise ValueError(f"request {req.request_id} already queued")
-        self._live[req.request_id] = req
-        heapq.heappush(self._heap, (-req.priority, req.arrival_time, next(self._seq), req))
-
-    def _clean(self) -> None:
-        heap = self._heap
-        while heap and self._live.get(heap[0][3].request_id) is not heap[0][3]:
-            heapq.heappop(heap)
+    def __iter__(self) -> Iterator[Request]:
+        """Queued requests in scheduling order (a sorted copy: O(n log n), for inspection)."""
+        return iter([e[4] for e in sorted(self._live.values())])
 
     def peek(self) -> Request | None:
-        self._clean()
-        return self._heap[0][3] if self._heap else None
+        self._clean_top()
+        return self._heap[0][4] if self._heap else None
 
     def pop(self) -> Request:
-        self._clean()
-        req = heapq.heappop(self._heap)[3]
-        del self._live[req.request_id]
+        self._clean_top()
+        req = heapq.heappop(self._heap)[4]
+        self._forget(req)
         return req
 
     def remove(self, request_id: str) -> Request | None:
-        """Take a request out wherever it is (abort, deadline); the heap entry dies lazily."""
-        return self._live.pop(request_id, None)
+        """Take a request out wherever it is (admission, abort, deadline); heap entries die lazily."""
+        entry = self._live.get(request_id)
+        if entry is None:
+            return None
+        self._forget(entry[4])
+        return entry[4]
 
-    def __iter__(self):
-        return iter(sorted(self._live.values(), key=lambda r: (-r.priority, r.arrival_time)))
+    def push(self, req: Request) -> None:
+        """Queue a request without any cap check: re-queueing after preemption."""
+        if req.request_id in self._live:
+            raise ValueError(f"request {req.request_id} already queued")
+        level = self.classify(req)
+        tok = next(self._tokens)
+        entry = (0 if req.urgent else 1, -req.priority, req.arrival_time, tok, req)
+        self._live[req.request_id] = entry
+        heapq.heappush(self._heap, entry)
+        heapq.heappush(self._oldest[level.name], (req.arrival_time, tok, req))
+        self._count[level.name] += 1
+        if req.urgent:
+            self._urgent[level.name] += 1
+        elif self.config.urgent_after_ms is not None:
+            heapq.heappush(self._by_arrival, (req.arrival_time, tok, req))
+        if req.deadline is not None:
+            heapq.heappush(self._checks, (-math.inf, tok, req))  # looked at on the next refresh
+
+    # --- admission ---------------------------------------------------------------------------
+    def classify(self, req: Request) -> LevelConfig:
+        """The request's level; on first sight also fills its deadline defaults from it."""
+        level = self._level_of[req.priority]
+        if req.level != level.name:
+            req.level = level.name
+            if req.deadline_ms is None:
+                req.deadline_ms = level.deadline_ms
+            if req.deadline_kind is None:
+                req.deadline_kind = level.deadline_kind
+        return level
+
+    def offer(self, req: Request, now: float) -> Request | None:
+        """Admit a new request under its level's cap. A full level either raises
+        OverloadedError (`reject`) or removes and returns its oldest queued request, with
+        `error` set, for the caller to end as rejected (`drop_oldest`)."""
+        level = self.classify(req)
+        name = level.name
+        dropped = None
+        if level.capacity is not None and self._count[name] >= level.capacity:
+            if level.overflow == "reject":
+                self.metrics.on_reject(name)
+                raise OverloadedError(
+                    f"queue level {name!r} is full ({level.capacity} requests waiting); retry later",
+                    retry_after_s=self.retry_after(name), level=name)
+            dropped = self._oldest_of(name)
+            if dropped is not None:
+                self._forget(dropped)
+                dropped.error = (f"dropped from the full queue level {name!r} (capacity {level.capacity}) "
+                                 f"to make room for a newer request")
+                self.metrics.on_drop(name)
+        self.push(req)
+        return dropped
+
+    def retry_after(self, level: str) -> float:
+        """A Retry-After hint: the level's median recent wait, at least the configured floor."""
+        return max(self.config.retry_after_s, self.metrics.wait_p50(level))
+
+    # --- urgency and deadlines --------------------------------------------------------------
+    def refresh(self, now: float, service_time: Callable[[Request], float]) -> list[Request]:
+        """Promote requests that waited past `urgent_after_ms` or whose slack
+        (deadline - now - service_time(req)) is under `urgent_slack_ms`, and return the queued
+        hard-deadline requests that cannot make it (now + service_time >= deadline). Those
+        stay queued: the caller ends them."""
+        after = self.config.urgent_after_ms
+        if after is not None:
+            h = self._by_arrival
+            while h and (now - h[0][0]) * 1000 > after:
+                _, tok, req = heapq.heappop(h)
+                if self._valid(req, tok) and not req.urgent:
+                    self._promote(req, "wait")
+        slack_ms = self.config.urgent_slack_ms
+        doomed = []
+        checks = self._checks
+        while checks and checks[0][0] <= now:
+            _, tok, req = heapq.heappop(checks)
+            if not self._valid(req, tok):
+                continue
+            s = service_time(req)
+            left = req.deadline - now - s
+            if req.hard_deadline and left <= 0:
+                doomed.append(req)
+                continue
+            if slack_ms is not None and not req.urgent and left * 1000 <= slack_ms:
+                self._promote(req, "slack")
+            nxt = self._next_check(req, s, slack_ms)
+            if nxt is not None:
+                # a later, larger prediction is still seen no later than this time, which is
+                # never after the deadline: a hard request is never scheduled past it
+                heapq.heappush(checks, (max(nxt, math.nextafter(now, math.inf)), tok, req))
+        self._maybe_compact()
+        return doomed
+
+    def recheck_all(self) -> None:
+        """Look at every queued deadline again on the next refresh: the predictions the
+        current look-at times came from have grown (O(n), and rare)."""
+        self._checks = [(-math.inf, tok, req) for _, tok, req in self._checks if self._valid(req, tok)]
+        heapq.heapify(self._checks)
+
+    @staticmethod
+    def _next_check(req: Request, s: float, slack_ms: float | None) -> float | None:
+        times = []
+        if slack_ms is not None and not req.urgent:
+            times.append(req.deadline - s - slack_ms / 1000)
+        if req.hard_deadline:
+            times.append(req.deadline - s)
+        return min(times) if times else None
+
+    def _promote(self, req: Request, reason: str) -> None:
+        old = self._live[req.request_id]
+        req.urgent = True
+        entry = (0,) + old[1:]
+        self._live[req.request_id] = entry
+        heapq.heappush(self._heap, entry)
+        self._urgent[req.level] += 1
+        self.metrics.on_promote(req.level, reason)
+
+    # --- metrics ---------------------------------------------------------------------------
+    def lengths_by_level(self) -> dict[str, int]:
+        return dict(self._count)
+
+    def stats(self, now: float) -> QueueStats:
+        """A snapshot of the queue metrics (see core/stats.py for the field names)."""
+        oldest = {}
+        for name in self.levels:
+            req = self._oldest_of(name)
+            oldest[name] = max(0.0, now - req.arrival_time) if req is not None else 0.0
+        return self.metrics.snapshot(self.lengths_by_level(), dict(self._urgent), oldest)
+
+    # --- internals ---------------------------------------------------------------------------
+    def _valid(self, req: Request, tok: int) -> bool:
+        entry = self._live.get(req.request_id)
+        return entry is not None and entry[3] == tok
+
+    def _forget(self, req: Request) -> None:
+        del self._live[req.request_id]
+        self._count[req.level] -= 1
+        if req.urgent:
+            self._urgent[req.level] -= 1
+        self._maybe_compact()
+
+    def _clean_top(self) -> None:
+        heap = self._heap
+        while heap and self._live.get(heap[0][4].request_id) is not heap[0]:
+            heapq.heappop(heap)
+
+    def _oldest_of(self, level: str) -> Request | None:
+        h = self._oldest[level]
+        while h and not self._valid(h[0][2], h[0][1]):
+            heapq.heappop(h)
+        return h[0][2] if h else None
+
+    def _maybe_compact(self) -> None:
+        """Drop dead entries once they outnumber live ones: keeps memory O(n) and the
+        amortized cost per operation O(log n)."""
+        bound = 2 * len(self._live) + 1024
+        if len(self._heap) > bound:
+            self._heap = list(self._live.values())
+            heapq.heapify(self._heap)
+        for side in (self._by_arrival, self._checks, *self._oldest.values()):
+            if len(side) > bound:
+                side[:] = [e for e in side if self._valid(e[2], e[1])]
+                heapq.heapify(side)
+
+
+# The name the scheduler and older code use.
+WaitQueue = AdmissionQueue

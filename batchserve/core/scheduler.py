@@ -9,13 +9,15 @@ Policies (core/policies/) decide only what differs between batching modes; the h
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
-from batchserve.config import SchedulerConfig
+from batchserve.config import QueueConfig, SchedulerConfig
+from batchserve.core import deadlines
 from batchserve.core.batch import ScheduledBatch, ScheduledSeq, StepOutput
 from batchserve.core.kv_cache import KVCacheManager
-from batchserve.core.queue import WaitQueue
-from batchserve.request import Request, RequestStatus
+from batchserve.core.latency import LatencyModel, OnlineLinearModel
+from batchserve.core.queue import AdmissionQueue
+from batchserve.request import OverloadedError, Request, RequestStatus
 
 if TYPE_CHECKING:
     from batchserve.core.policies.base import Policy
@@ -29,12 +31,20 @@ def build_seq(req: Request, n: int, block_table: list[int]) -> ScheduledSeq:
                         params=req.params, output_index=req.num_output_tokens)
 
 
+def is_decoding(req: Request) -> bool:
+    """The request's KV is complete but for its newest token: its next step is a decode."""
+    return req.num_computed_tokens > 0 and req.num_tokens - req.num_computed_tokens == 1
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, policy: "Policy") -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, policy: "Policy",
+                 queue: QueueConfig | None = None, latency: LatencyModel | None = None) -> None:
         self.config = config
         self.kv = kv
         self.policy = policy
-        self.waiting = WaitQueue()
+        self.waiting = AdmissionQueue(queue)
+        self.latency: LatencyModel = latency or OnlineLinearModel()  # the engine feeds it step times
+        self.prediction_floor = 0.0  # lowest step prediction the queue's deadline looks rely on
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.finished_now: list[Request] = []  # finished outside update() since last drain
@@ -43,10 +53,24 @@ class Scheduler:
 
     # --- intake -----------------------------------------------------------------------
     def add(self, req: Request, now: float) -> None:
+        """Admit a request through the queue. Raises OverloadedError when its level is full
+        and refuses; a request that cannot make its hard deadline ends at once (`deadline`);
+        a request dropped for this one ends as `rejected`. Ended ones show in the next step."""
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
+        self.waiting.classify(req)  # level defaults (deadline) first: admission checks use them
         self.requests[req.request_id] = req
-        self.waiting.push(req)
+        if deadlines.doomed_at_admission(self, req, now):
+            return
+        try:
+            dropped = self.waiting.offer(req, now)
+        except OverloadedError as e:
+            del self.requests[req.request_id]
+            req.set_status(RequestStatus.FINISHED_REJECTED)
+            req.error, req.finish_time = str(e), now
+            raise
+        if dropped is not None:
+            self.finish(dropped, RequestStatus.FINISHED_REJECTED, now)
         self.policy.on_add(self, req, now)
 
     def abort(self, request_id: str, now: float) -> Request | None:
@@ -70,6 +94,7 @@ class Scheduler:
         self.kv.free(req.request_id)
         self.requests.pop(req.request_id, None)
         self.finished_now.append(req)
+        self.waiting.metrics.on_finish(req)
 
     @property
     def has_unfinished(self) -> bool:
@@ -79,8 +104,14 @@ class Scheduler:
         out, self.finished_now = self.finished_now, []
         return out
 
+    def release(self, finished: list[Request], now: float) -> list[Request]:
+        """Which finished requests go back to the caller now (the policy may hold some, e.g.
+        a static batch returns all its results together)."""
+        return self.policy.release(self, finished, now)
+
     # --- one step ---------------------------------------------------------------------
     def schedule(self, now: float) -> ScheduledBatch:
+        self.check_deadlines(now)
         batch = self.policy.schedule(self, now)
         self.num_steps += 1
         return batch
@@ -93,6 +124,9 @@ class Scheduler:
             req = self.requests.get(seq.request_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted or finished while the step ran
+            if deadlines.missed_during_step(req, now):
+                deadlines.end_hard_miss(self, req, now)  # a result past a hard deadline is a failure
+                continue
             req.num_computed_tokens += seq.num_tokens
             self.kv.commit(req)
             if not seq.sample:
@@ -106,9 +140,20 @@ class Scheduler:
             if (not p.ignore_eos and tok == req.eos_token_id) or tok in p.stop_token_ids:
                 self.finish(req, RequestStatus.FINISHED_STOPPED, now)
             elif req.num_output_tokens >= req.max_tokens:
-                self.finish(req, RequestStatus.FINISHED_LENGTH, now)
+                self.finish(req, deadlines.length_status(req), now)
         self.policy.on_update(self, batch, output, now)
         return changed
+
+    # --- deadlines (core/deadlines.py) ----------------------------------------------------
+    def check_deadlines(self, now: float) -> None:
+        """End queued and running hard-deadline requests that missed or cannot make their
+        deadline; cut soft-deadline ones to what fits; promote to the urgent lane. Runs at the
+        start of every schedule(now); policies may call it again."""
+        deadlines.check_deadlines(self, now)
+
+    def predicted_service(self, req: Request, joining: bool = False) -> float:
+        """Seconds the latency model predicts `req` still needs, to its max_tokens."""
+        return deadlines.predicted_service(self, req, joining)
 
     # --- helpers for policies ------------------------------------------------------------
     def make_seq(self, req: Request, n: int) -> ScheduledSeq:
@@ -132,14 +177,19 @@ class Scheduler:
         req.set_status(RequestStatus.WAITING)
         self.waiting.push(req)
 
-    def schedule_running(self, budget: int, chunk: int | None, out: list[ScheduledSeq]) -> int:
+    def schedule_running(self, budget: int, chunk: int | None, out: list[ScheduledSeq],
+                         select: Callable[[Request], bool] | None = None) -> int:
         """Give each running request its next tokens (1 for a decode, up to `chunk` for an
         unfinished prompt), preempting the least important when blocks run out. Returns the
-        token budget left."""
-        scheduled: set[str] = set()
+        token budget left. `select` limits which requests are considered (checked as each
+        comes up); requests already in `out` are skipped and never chosen as victims, so a
+        policy may call this more than once per step (e.g. decodes first, then prompt chunks)."""
+        scheduled = {s.request_id for s in out}
         for req in sorted(self.running, key=lambda r: (-r.priority, r.arrival_time)):
-            if req.status != RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if req.status != RequestStatus.RUNNING or req.request_id in scheduled:
+                continue  # preempted earlier in this loop, or already given tokens
+            if select is not None and not select(req):
+                continue
             if budget <= 0:
                 break
             n = min(req.num_tokens - req.num_computed_tokens, budget, chunk or budget)
@@ -171,5 +221,6 @@ class Scheduler:
         req.set_status(RequestStatus.RUNNING)
         if req.first_scheduled_time is None:
             req.first_scheduled_time = now
+            self.waiting.metrics.on_wait(req.level, now - req.arrival_time)
         self.running.append(req)
         return self.make_seq(req, n)

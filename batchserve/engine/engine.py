@@ -10,6 +10,7 @@ from batchserve.core.batch import RequestOutput, ScheduledBatch, StepOutput
 from batchserve.core.kv_cache import KVCacheManager
 from batchserve.core.policies import make_policy
 from batchserve.core.scheduler import Scheduler
+from batchserve.core.stats import QueueStats
 from batchserve.engine.clock import WallClock
 from batchserve.engine.detokenizer import DetokState, detokenize_step, find_stop
 from batchserve.request import Request, RequestError, RequestStatus, SamplingParams
@@ -33,8 +34,16 @@ class LLMEngine:
         self.eos_token_id = eos_token_id
         self.clock = clock or WallClock()
         self.kv = KVCacheManager(executor.num_blocks, config.cache.block_size, config.cache.prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv, make_policy(config.scheduler.policy))
+        latency = None
+        if config.scheduler.latency_profile:  # step times measured by `batchserve profile`
+            from batchserve.profile import ProfiledLatencyModel
+
+            latency = ProfiledLatencyModel.load(config.scheduler.latency_profile)
+        self.scheduler = Scheduler(config.scheduler, self.kv,
+                                   make_policy(config.scheduler.policy, config.scheduler), config.queue,
+                                   latency=latency)
         self._detok: dict[str, DetokState] = {}
+        self._held: dict[str, tuple[int, str]] = {}  # finished, not yet released: (n_new, text)
         self._ids = itertools.count()
         self.num_generated_tokens = 0
 
@@ -44,6 +53,11 @@ class LLMEngine:
         from batchserve.runner.loader import load_model
         from batchserve.runner.model_runner import ModelRunner
 
+        if config.scheduler.cascade_workers:  # prefill and decode stages in two processes
+            from batchserve.runner.cascade_workers import CascadeWorkersExecutor
+
+            ex = CascadeWorkersExecutor(config)
+            return cls(config, ex, ex.tokenizer, ex.cfg.eos_token_id, clock)
         loaded = load_model(config.model)
         runner = ModelRunner(loaded, config.model, config.cache)
         log.info("model %s loaded: %d layers, %.1fM params; KV pool holds %d tokens",
@@ -68,8 +82,12 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int] | None, params: SamplingParams, now: float | None = None,
                     request_id: str | None = None, priority: int = 5, deadline_ms: float | None = None,
-                    deadline_kind: str = "hard", messages: list[dict] | None = None) -> Request:
-        """Validate, tokenize and queue a request. Raises RequestError naming the bad field."""
+                    deadline_kind: str | None = None, messages: list[dict] | None = None) -> Request:
+        """Validate, tokenize and queue a request. Raises RequestError naming the bad field, or
+        OverloadedError (HTTP 503) when its queue level is full and refuses new requests.
+        `deadline_ms` / `deadline_kind` ("hard" | "soft") default to the queue level's. A request
+        that cannot make its hard deadline, or one dropped from a full level for this one, ends
+        in the next step's outputs (finish reason "deadline" / "rejected", with `error`)."""
         ids = self.tokenize(prompt, messages)
         if not ids:
             raise RequestError("messages" if messages is not None else "prompt", "must not be empty")
@@ -95,9 +113,20 @@ class LLMEngine:
     def abort(self, request_id: str, now: float | None = None) -> None:
         self.scheduler.abort(request_id, self.clock.now() if now is None else now)
 
+    def queue_stats(self, now: float | None = None) -> QueueStats:
+        """Admission-queue metrics (S1.6): per-level lengths, waits, rejections, drops,
+        promotions, deadline misses; field names in core/stats.py."""
+        return self.scheduler.waiting.stats(self.clock.now() if now is None else now)
+
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished or bool(self.scheduler.finished_now)
+        return self.scheduler.has_unfinished or bool(self.scheduler.finished_now) or bool(self._held)
+
+    def next_step_due(self, now: float) -> float | None:
+        """After a step that ran nothing at `now`: when the next one could run something if
+        no request arrives (the policy's answer, e.g. a batching window closing), or None
+        when the policy cannot tell and the caller should poll. The simulator jumps there."""
+        return self.scheduler.policy.next_step_due(self.scheduler, now)
 
     # --- the loop -----------------------------------------------------------------------
     def step(self, now: float | None = None) -> list[RequestOutput]:
@@ -109,6 +138,7 @@ class LLMEngine:
         if not batch.empty:
             output = self.executor.execute(batch)
             end = self.clock.now() if now is None else start + output.step_time
+            self.scheduler.latency.observe(batch.num_tokens, batch.num_seqs, end - start)
             changed = self.scheduler.update(batch, output, end)
             self.num_generated_tokens += len(output.sampled)
         else:
@@ -116,9 +146,12 @@ class LLMEngine:
         new_text = {req.request_id: self._detokenize(req, end) for req in changed}
         finished = self.scheduler.drain_finished()
         outs = [self._output(r, 1, new_text.get(r.request_id, "")) for r in changed if not r.finished]
-        for req in finished:
+        for req in finished:  # final text now, while this step's token is known
             text = new_text.get(req.request_id, "") + self._flush_text(req)
-            outs.append(self._output(req, 1 if req.request_id in new_text else 0, text))
+            self._held[req.request_id] = (1 if req.request_id in new_text else 0, text)
+        for req in self.scheduler.release(finished, end):  # the policy may hold some back
+            n_new, text = self._held.pop(req.request_id)
+            outs.append(self._output(req, n_new, text))
             self._detok.pop(req.request_id, None)
         return outs
 

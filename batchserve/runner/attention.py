@@ -7,6 +7,7 @@ The metadata is built once per step (`AttnMeta.build`) and shared by every layer
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -28,14 +29,20 @@ class AttnMeta:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
     dec_rows: torch.Tensor | None  # [Bd] flat indices of decode tokens
     dec_slots: torch.Tensor | None  # [Bd, Tmax] slots of each decode's context (padded with 0)
+    dec_slots_flat: torch.Tensor | None  # the same, flattened [Bd * Tmax]
     dec_mask: torch.Tensor | None  # [Bd, 1, 1, Tmax] bool
     prefills: list[PrefillSpan]
     dec_contiguous: bool  # decode rows are one contiguous range [dec_lo, dec_hi)
     dec_lo: int = 0
     dec_hi: int = 0
+    kernel: Any = None  # compiled decode kernel (runner/kernels.py), or None for the PyTorch path
+    dec_tables: torch.Tensor | None = None  # [Bd, max_blocks] block tables, for the kernel
+    dec_lens: torch.Tensor | None = None  # [Bd] context lengths, for the kernel
+    block_size: int = 16
 
     @staticmethod
-    def build(seqs: list[tuple[int, int, list[int]]], block_size: int, device: torch.device) -> "AttnMeta":
+    def build(seqs: list[tuple[int, int, list[int]]], block_size: int, device: torch.device,
+              kernel: Any = None) -> "AttnMeta":
         """seqs: (start_pos, num_tokens, block_table) per request, in flat-batch order."""
         max_blocks = max(len(t) for _, _, t in seqs)
         tables = torch.tensor([t + [0] * (max_blocks - len(t)) for _, _, t in seqs], dtype=torch.long)
@@ -61,13 +68,19 @@ class AttnMeta:
                     mask = torch.arange(start + n, device=device)[None, :] <= q_pos
                 prefills.append(PrefillSpan(flat, flat + n, start, ctx_slots, mask))
             flat += n
-        meta = AttnMeta(torch.cat(new_slots).to(device), None, None, None, prefills, False)
+        meta = AttnMeta(torch.cat(new_slots).to(device), None, None, None, None, prefills, False,
+                        kernel=kernel, block_size=block_size)
         if dec_rows:
             tmax = max(dec_lens)
             lens = torch.tensor(dec_lens)
             meta.dec_rows = torch.tensor(dec_rows, dtype=torch.long, device=device)
-            meta.dec_slots = slots_all[dec_reqs, :tmax].to(device)
-            meta.dec_mask = (torch.arange(tmax)[None, :] < lens[:, None])[:, None, None, :].to(device)
+            if kernel is not None:
+                meta.dec_tables = tables[dec_reqs]
+                meta.dec_lens = lens
+            else:
+                meta.dec_slots = slots_all[dec_reqs, :tmax].to(device)
+                meta.dec_slots_flat = meta.dec_slots.reshape(-1)
+                meta.dec_mask = (torch.arange(tmax)[None, :] < lens[:, None])[:, None, None, :].to(device)
             meta.dec_contiguous = dec_rows == list(range(dec_rows[0], dec_rows[0] + len(dec_rows)))
             meta.dec_lo, meta.dec_hi = dec_rows[0], dec_rows[0] + len(dec_rows)
         return meta
@@ -90,23 +103,33 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             vs = v[sp.start:sp.end].transpose(0, 1)
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
         else:
-            ks = k_cache[sp.ctx_slots].transpose(0, 1)  # [n_kv, ctx, hd]
-            vs = v_cache[sp.ctx_slots].transpose(0, 1)
+            ks = k_cache.index_select(0, sp.ctx_slots).transpose(0, 1)  # [n_kv, ctx, hd]
+            vs = v_cache.index_select(0, sp.ctx_slots).transpose(0, 1)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=sp.mask, enable_gqa=True)
         out[sp.start:sp.end] = o.transpose(0, 1)
     if meta.dec_rows is not None:
-        bd = meta.dec_slots.shape[0]
-        if meta.dec_contiguous:
-            qd = q[meta.dec_lo:meta.dec_hi]
+        qd = q[meta.dec_lo:meta.dec_hi] if meta.dec_contiguous else q[meta.dec_rows]  # [Bd, n_h, hd]
+        if meta.kernel is not None:  # reads each cached K/V element once, no gathered copy
+            o = meta.kernel.paged_decode(qd, k_cache, v_cache, meta.dec_tables, meta.dec_lens,
+                                         meta.block_size, hd ** -0.5)
         else:
-            qd = q[meta.dec_rows]
-        qd = qd.view(bd, n_kv, g, hd)  # the g query heads sharing a kv head act as g query rows
-        kd = k_cache[meta.dec_slots].transpose(1, 2)  # [Bd, n_kv, Tmax, hd]
-        vd = v_cache[meta.dec_slots].transpose(1, 2)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.dec_mask)  # [Bd, n_kv, g, hd]
-        o = o.reshape(bd, n_h, hd)
+            o = _decode_torch(qd, k_cache, v_cache, meta)
         if meta.dec_contiguous:
             out[meta.dec_lo:meta.dec_hi] = o
         else:
             out[meta.dec_rows] = o
     return out
+
+
+def _decode_torch(qd: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+    """Decode attention by gathering each request's history (padded to the longest) and SDPA."""
+    bd, n_h, hd = qd.shape
+    n_kv = k_cache.shape[1]
+    g = n_h // n_kv
+    qd = qd.reshape(bd, n_kv, g, hd)  # the g query heads sharing a kv head act as g query rows
+    tmax = meta.dec_slots.shape[1]
+    # index_select on the flat slot list is several times faster than 2-D advanced indexing here
+    kd = k_cache.index_select(0, meta.dec_slots_flat).view(bd, tmax, n_kv, hd).transpose(1, 2)
+    vd = v_cache.index_select(0, meta.dec_slots_flat).view(bd, tmax, n_kv, hd).transpose(1, 2)
+    o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.dec_mask)  # [Bd, n_kv, g, hd]
+    return o.reshape(bd, n_h, hd)

@@ -11,6 +11,7 @@ import torch
 from batchserve.config import CacheConfig, ModelConfig
 from batchserve.core.batch import ScheduledBatch, StepOutput
 from batchserve.runner.attention import AttnMeta
+from batchserve.runner.kernels import paged_attention_ext
 from batchserve.runner.loader import LoadedModel
 from batchserve.runner.models.llama import LlamaModel
 from batchserve.runner.sampler import sample
@@ -40,6 +41,11 @@ class ModelRunner:
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(self.cfg.num_layers)]
         self.generator = torch.Generator(device=self.device).manual_seed(model_cfg.seed)
+        self.kernel = None
+        if model_cfg.attention_backend != "torch" and self.device.type == "cpu" and self.dtype == torch.float32:
+            self.kernel = paged_attention_ext()
+        if model_cfg.attention_backend == "cpp" and self.kernel is None:
+            raise RuntimeError("attention_backend=cpp: the C++ kernel did not build (see the log)")
         log.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB)", self.num_blocks,
                  self.block_size, slots, self.num_blocks * per_block / 2**30)
 
@@ -58,7 +64,7 @@ class ModelRunner:
             if s.sample:
                 sample_rows.append(len(ids) - 1)
         meta = AttnMeta.build([(s.start_pos, len(s.token_ids), s.block_table) for s in batch.seqs],
-                              self.block_size, self.device)
+                              self.block_size, self.device, self.kernel)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, positions, meta, self.kv_caches)  # [T, H]

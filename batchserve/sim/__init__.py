@@ -1,0 +1,18 @@
+"""The simulator: the real engine (queue, scheduler, policy, KV manager) on a virtual clock,
+with a cost model in place of the model runner.
+
+    from batchserve.sim import RooflineCost, Simulator
+    res = Simulator(EngineConfig(), RooflineCost("a100-80gb", "llama-2-7b")).run(make_workload("chat", 1000, 10.0))
+    res.summary  # the same summary `bench` computes, over virtual time
+
+events.py (typed events, deterministic order), executor.py (SimExecutor), cost.py (roofline and
+profiled cost models), hardware.py (GPU specs, model shapes), simulator.py (the loop),
+runner.py (`batchserve simulate`), fidelity.py and speed.py (checks against the live engine
+and of the simulator's own speed). The seed's case studies are in `batchserve.scenarios`.
+"""
+from batchserve.sim.cost import CostModel, ProfiledCost, RooflineCost, make_cost_model
+from batchserve.sim.executor import SimExecutor
+from batchserve.sim.simulator import SimResult, SimulationStuck, Simulator
+
+__all__ = ["CostModel", "ProfiledCost", "RooflineCost", "SimExecutor", "SimResult", "SimulationStuck", "Simulator",
+           "make_cost_model"]

@@ -99,7 +99,9 @@ def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, w.shape, w, eps)
+    xf = x.float()  # low-precision activations: normalise in fp32 as the reference does
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
 
 

@@ -1,0 +1,198 @@
+"""Foundation benchmark: decode step time vs linear layers vs ceiling, prefill rate, offline
+throughput on the 64-request workload, and transformers side by side.
+
+    python -m batchserve.bench.foundation --out BENCHMARKS.md [--skip-hf] [--requests 64]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from batchserve.bench.roofline import decode_ceiling, measure_machine, prefill_ceiling
+from batchserve.core.batch import ScheduledBatch, ScheduledSeq
+from batchserve.core.kv_cache import KVCacheManager
+from batchserve.request import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def _median(fn, reps: int) -> float:
+    fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return sorted(ts)[len(ts) // 2]
+
+
+def decode_batch(kv: KVCacheManager, batch: int, ctx: int) -> ScheduledBatch:
+    seqs = []
+    for i in range(batch):
+        kv.allocate(f"d{i}", ctx + 1)
+        seqs.append(ScheduledSeq(f"d{i}", [100 + i], ctx, kv.block_table(f"d{i}"), True, GREEDY, 0))
+    return ScheduledBatch(seqs)
+
+
+def linear_only(model, batch: int) -> float:
+    """Time of the step's matrix products alone: every layer's four, and the LM head."""
+    h = model.cfg.hidden_size
+    x = torch.randn(batch, h)
+    xi = torch.randn(batch, model.cfg.intermediate_size)
+    xo = torch.randn(batch, model.cfg.num_heads * model.cfg.head_dim)
+
+    def run() -> None:
+        with torch.inference_mode():
+            for layer in model.layers:
+                F.linear(x, layer["wqkv"])
+                F.linear(xo, layer["wo"])
+                F.linear(x, layer["w_gate_up"])
+                F.linear(xi, layer["w_down"])
+            F.linear(x, model.lm_head)
+
+    return _median(run, 5)
+
+
+def offline_workload(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:
+    """Prompt lengths lognormal (median ~200, clipped to [32, 1024]); outputs 80% U[32, 64],
+    20% U[256, 512]. Prompts are random ordinary token ids (no special tokens)."""
+    rng = np.random.default_rng(seed)
+    lens = np.clip(rng.lognormal(np.log(200), 0.6, n).astype(int), 32, 1024)
+    long = rng.random(n) < 0.2
+    outs = np.where(long, rng.integers(256, 513, n), rng.integers(32, 65, n))
+    return [(rng.integers(200, vocab - 200, int(p)).tolist(), int(o)) for p, o in zip(lens, outs)]
+
+
+def run_offline(llm, work) -> dict:
+    eng = llm.engine
+    sizes: list[int] = []
+    t0 = time.perf_counter()
+    for ids, m in work:
+        eng.add_request(ids, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
+    ntok = 0
+    while eng.has_unfinished:
+        outs = eng.step()
+        running = len(eng.scheduler.running) + sum(1 for o in outs if o.finished)
+        sizes.append(running)
+        ntok += sum(len(o.new_token_ids) for o in outs)
+    dt = time.perf_counter() - t0
+    return {"tokens": ntok, "seconds": dt, "tok_s": ntok / dt, "mean_batch": float(np.mean(sizes))}
+
+
+def run_hf(work, tok_per_req: list[int]) -> dict:
+    """transformers' generate on the same requests: one at a time, and one static batch."""
+    from transformers import AutoModelForCausalLM
+
+    from batchserve.runner.loader import resolve_model_path
+
+    path = resolve_model_path("smollm2-135m-instruct")
+    m = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                             dtype=torch.float32).eval()
+    kw = dict(do_sample=False, eos_token_id=[], pad_token_id=0)
+    t0 = time.perf_counter()
+    for ids, n in work:
+        x = torch.tensor([ids])
+        m.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, **kw)
+    single = time.perf_counter() - t0
+    longest = max(len(ids) for ids, _ in work)
+    x = torch.tensor([[0] * (longest - len(ids)) + ids for ids, _ in work])
+    mask = torch.tensor([[0] * (longest - len(ids)) + [1] * len(ids) for ids, _ in work])
+    t0 = time.perf_counter()
+    m.generate(x, attention_mask=mask, max_new_tokens=max(n for _, n in work), **kw)
+    static = time.perf_counter() - t0
+    useful = sum(tok_per_req)
+    return {"single_tok_s": useful / single, "static_tok_s": useful / static,
+            "single_s": single, "static_s": static}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", default=None, help="markdown file to write (replaced section)")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--batches", default="1,8,32,64")
+    a = ap.parse_args(argv)
+
+    from batchserve.llm import LLM
+
+    llm = LLM(kv_cache_gb=2.0, max_num_seqs=64, max_num_batched_tokens=2048)
+    runner, cfg = llm.engine.executor, llm.engine.executor.cfg
+    mach = measure_machine(cfg)
+    lines = [f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch "
+             f"{torch.__version__}, {mach.threads} threads. Matmul at the model's shapes: "
+             + ", ".join(f"M={m}: {r:.0f}" for m, r in mach.matmul_gflops.items())
+             + f" GFLOP/s (peak {mach.peak_gflops:.0f}); memory {mach.bandwidth_gbs:.1f} GB/s.", "",
+             "| decode batch (ctx 128) | step ms | linear ms | step/linear | tok/s | ceiling tok/s | % of ceiling |",
+             "|---|---|---|---|---|---|---|"]
+    kv = KVCacheManager(runner.num_blocks, runner.block_size)
+    for b in [int(x) for x in a.batches.split(",")]:
+        batch = decode_batch(kv, b, 128)
+        step = _median(lambda: runner.execute(batch), 5)
+        lin = linear_only(runner.model, b)
+        ceil = decode_ceiling(cfg, mach, b, 128)
+        lines.append(f"| {b} | {step * 1e3:.1f} | {lin * 1e3:.1f} | {step / lin:.2f} | {b / step:.0f} | "
+                     f"{ceil:.0f} | {100 * b / step / ceil:.0f}% |")
+        for i in range(b):
+            kv.free(f"d{i}")
+    for plen, nseq in ((512, 1), (256, 4)):
+        seqs = []
+        for i in range(nseq):
+            kv.allocate(f"p{i}", plen)
+            seqs.append(ScheduledSeq(f"p{i}", list(range(200, 200 + plen)), 0, kv.block_table(f"p{i}"),
+                                     True, GREEDY, 0))
+        t = _median(lambda: runner.execute(ScheduledBatch(seqs)), 3)
+        rate, ceil = plen * nseq / t, prefill_ceiling(cfg, mach, plen)
+        lines.append(f"\nPrefill {nseq} x {plen} tokens: {t * 1e3:.0f} ms, {rate:.0f} tok/s; ceiling "
+                     f"{ceil:.0f} tok/s ({100 * rate / ceil:.0f}%).")
+        for i in range(nseq):
+            kv.free(f"p{i}")
+
+    work = offline_workload(a.requests, 0, cfg.vocab_size)
+    res = run_offline(llm, work)
+    ceil = decode_ceiling(cfg, mach, max(1, round(res["mean_batch"])), 200 + 64)
+    lines.append(f"\nOffline workload ({a.requests} requests, seed 0, prompts lognormal median 200 "
+                 f"[32, 1024], outputs 80% U[32,64] / 20% U[256,512], ignore_eos, all at t=0): "
+                 f"{res['tokens']} output tokens in {res['seconds']:.1f} s = **{res['tok_s']:.0f} tok/s**, "
+                 f"mean running batch {res['mean_batch']:.1f}; decode ceiling at that batch ~{ceil:.0f} tok/s "
+                 f"({100 * res['tok_s'] / ceil:.0f}%).")
+    if not a.skip_hf:
+        first = work[:16]
+        ours = run_offline(llm, first)
+        hf = run_hf(first, [n for _, n in first])
+        lines.append(f"\nFirst 16 requests ({ours['tokens']} output tokens): batchserve "
+                     f"{ours['tok_s']:.0f} tok/s ({ours['seconds']:.1f} s); transformers one at a time "
+                     f"{hf['single_tok_s']:.1f} tok/s ({hf['single_s']:.0f} s) -> "
+                     f"{ours['tok_s'] / hf['single_tok_s']:.1f}x; transformers static batch of 16 "
+                     f"(left-padded, to the longest) {hf['static_tok_s']:.1f} tok/s ({hf['static_s']:.0f} s) "
+                     f"-> {ours['tok_s'] / hf['static_tok_s']:.1f}x.")
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    body = "\n".join(lines)
+    report = (f"## Foundation: decode, prefill, offline throughput\n\nCommand: `python -m "
+              f"batchserve.bench.foundation{' --skip-hf' if a.skip_hf else ''}`, {stamp}.\n\n{body}\n")
+    print(report)
+    if a.out:
+        write_section(a.out, "## Foundation:", report)
+
+
+def write_section(path: str, heading: str, report: str) -> None:
+    """Replace the section starting with `heading` in a markdown file (or append it)."""
+    text = open(path).read() if os.path.exists(path) else "# Benchmarks\n\n"
+    start = text.find(heading)
+    if start < 0:
+        text = text.rstrip() + "\n\n" + report
+    else:
+        nxt = text.find("\n## ", start + 1)
+        text = text[:start] + report + (text[nxt + 1:] if nxt >= 0 else "")
+    with open(path, "w") as fh:
+        fh.write(text)
+
+
+if __name__ == "__main__":
+    main()

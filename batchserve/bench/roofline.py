@@ -1,0 +1,87 @@
+"""This machine's limits, measured: fp32 matrix-product rate at the model's own shapes and
+memory bandwidth, and the ceiling tokens/s they allow for prompt tokens and for decode.
+
+Ceiling for a step = max(FLOPs / peak matmul rate, bytes moved / bandwidth): the step can be
+no faster than its arithmetic at the best rate this machine reaches, nor than reading its
+weights and KV cache once.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from batchserve.runner.models.llama import LlamaConfig
+
+
+def _median_time(fn, reps: int) -> float:
+    fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def layer_shapes(cfg: LlamaConfig) -> list[tuple[int, int]]:
+    """(in, out) of the fused matrices of one layer: qkv, o, gate_up, down."""
+    h, i, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    return [(h, (cfg.num_heads + 2 * cfg.num_kv_heads) * hd), (cfg.num_heads * hd, h), (h, 2 * i), (i, h)]
+
+
+def linear_params(cfg: LlamaConfig) -> int:
+    """Weights touched by matrix products per token, excluding the LM head."""
+    return cfg.num_layers * sum(a * b for a, b in layer_shapes(cfg))
+
+
+@dataclass
+class Machine:
+    matmul_gflops: dict[int, float]  # rows M -> GFLOP/s over the model's shapes
+    peak_gflops: float
+    bandwidth_gbs: float
+    threads: int
+
+
+def measure_machine(cfg: LlamaConfig, rows: tuple[int, ...] = (1, 8, 32, 64, 128, 512), reps: int = 5) -> Machine:
+    """Matmul rate at the model's real shapes (all layers' matrices, M rows) and memory bandwidth."""
+    shapes = layer_shapes(cfg)
+    weights = [torch.randn(o, i) for i, o in shapes]
+    rates: dict[int, float] = {}
+    with torch.inference_mode():
+        for m in rows:
+            xs = [torch.randn(m, i) for i, _ in shapes]
+
+            def run() -> None:
+                for _ in range(4):  # several layers' worth so caches do not flatter the weights
+                    for x, w in zip(xs, weights):
+                        F.linear(x, w)
+
+            t = _median_time(run, reps)
+            flops = 4 * sum(2 * m * i * o for i, o in shapes)
+            rates[m] = flops / t / 1e9
+        big = torch.empty(64 * 2**20)  # 256 MiB, far beyond any cache
+        big.fill_(1.0)
+        dst = torch.empty_like(big)
+        t = _median_time(lambda: dst.copy_(big), reps)
+    bw = 2 * big.numel() * 4 / t / 1e9  # copy reads and writes every byte
+    return Machine(rates, max(rates.values()), bw, torch.get_num_threads())
+
+
+def decode_ceiling(cfg: LlamaConfig, mach: Machine, batch: int, ctx: int, elem: int = 4) -> float:
+    """Ceiling tokens/s for one decode step of `batch` sequences with `ctx` tokens of context."""
+    lin = linear_params(cfg) + cfg.vocab_size * cfg.hidden_size  # LM head runs for every decode
+    flops = 2 * batch * lin + 4 * batch * ctx * cfg.num_layers * cfg.num_heads * cfg.head_dim
+    kv_bytes = batch * ctx * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
+    t = max(flops / (mach.peak_gflops * 1e9), (lin * elem + kv_bytes) / (mach.bandwidth_gbs * 1e9))
+    return batch / t
+
+
+def prefill_ceiling(cfg: LlamaConfig, mach: Machine, prompt_len: int) -> float:
+    """Ceiling prompt tokens/s for prompts of `prompt_len` (LM head once per prompt)."""
+    per_tok = 2 * linear_params(cfg) + 2 * prompt_len * cfg.num_layers * cfg.num_heads * cfg.head_dim
+    per_tok += 2 * cfg.vocab_size * cfg.hidden_size / prompt_len
+    return mach.peak_gflops * 1e9 / per_tok

@@ -1,0 +1,228 @@
+"""Seeded workloads = arrival process x request mix; shared by `bench` and `simulate`.
+
+    items = make_workload("chat", n=200, rate=2.0, seed=0)                    # Poisson, chat mix
+    items = make_workload("mixed", 100, 1.0, arrival="gamma", burstiness=4)   # bursty
+    items = make_workload("trace.jsonl", 0, 0.0)                              # replay a trace
+
+Mixes (lengths in tokens, before `scale`; every class's lengths are lognormal with the given
+mean and coefficient of variation, rounded and clipped to [1, 4 x mean]):
+
+- `chat`: prompt 200, output 200 (the seed's chat class), CV 0.5. Scale 1.
+- `mixed` (S3 case): code-gen 2000 in / 500 out, summaries 5000 / 300, chat 200 / 200, one
+  third each, CV 0.1. Default scale 0.1 (200/50, 500/30, 20/20): at full size one summary
+  prompt takes this 2-core CPU several seconds; pass scale=1 for the seed's sizes (simulator).
+- `short-long` (S4 case): 90% short (prompt 64, output 32), 10% long (prompt 64, output 512).
+- `priority-flood` (S1 case): levels high (priority 9, hard deadline 2 s, 10%), mid (priority
+  5, soft deadline 5 s, 20%), low (priority 1, no deadline, 70%: the flood); prompt 64,
+  output 32. Pair it with arrival="step" for the seed's 7.5x surge. `deadline_scale` scales
+  every deadline (e.g. to the hardware being simulated).
+
+A file name replays a JSONL trace, one request a line: `timestamp` (s) , `prompt` (text) or
+`prompt_len`, `max_tokens`, and optionally `priority`, `deadline_ms`, `deadline_kind`, `cls`.
+With arrival None or "replay" the trace's own timestamps are used (shifted to start at 0 and,
+when rate > 0, stretched so the mean rate is `rate`); any other arrival keeps the trace's
+requests and draws new times. `n` > 0 takes the first n lines.
+
+Prompts: with a tokenizer, `prompt` is text that re-encodes (add_special_tokens=False) to
+exactly `prompt_len` tokens; without one, `prompt_token_ids` are random ordinary ids.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from batchserve.bench.arrivals import make_arrivals
+
+ORDINARY_IDS = (1000, 30000)  # token-id range with no special tokens in common vocabularies
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """One request of a workload. `arrival` is seconds from the start; `cls` labels the
+    request class / priority level for per-class statistics."""
+
+    arrival: float
+    prompt_len: int
+    prompt: str | None
+    prompt_token_ids: list[int] | None
+    max_tokens: int
+    priority: int = 5
+    deadline_ms: float | None = None
+    deadline_kind: str | None = None
+    cls: str = "default"
+
+
+@dataclass(frozen=True)
+class RequestClass:
+    """One class of a mix: its share, mean lengths (tokens), priority and deadline."""
+
+    name: str
+    weight: float
+    prompt_mean: float
+    output_mean: float
+    cv: float = 0.5
+    priority: int = 5
+    deadline_ms: float | None = None
+    deadline_kind: str | None = None
+
+
+MIXES: dict[str, tuple[float, tuple[RequestClass, ...]]] = {  # name -> (default scale, classes)
+    "chat": (1.0, (RequestClass("chat", 1.0, 200, 200),)),
+    "mixed": (0.1, (RequestClass("code", 1 / 3, 2000, 500, cv=0.1),
+                    RequestClass("summary", 1 / 3, 5000, 300, cv=0.1),
+                    RequestClass("chat", 1 / 3, 200, 200, cv=0.1))),
+    "short-long": (1.0, (RequestClass("short", 0.9, 64, 32, cv=0.3),
+                         RequestClass("long", 0.1, 64, 512, cv=0.3))),
+    "priority-flood": (1.0, (RequestClass("high", 0.1, 64, 32, 0.3, 9, 2000.0, "hard"),
+                             RequestClass("mid", 0.2, 64, 32, 0.3, 5, 5000.0, "soft"),
+                             RequestClass("low", 0.7, 64, 32, 0.3, 1))),
+}
+
+
+def lognormal_lengths(rng: np.random.Generator, mean: float, cv: float, size: int) -> np.ndarray:
+    """Integer lengths, lognormal with the given mean and CV, clipped to [1, 4 x mean]."""
+    sigma2 = np.log1p(cv * cv)
+    mu = np.log(mean) - sigma2 / 2
+    x = rng.lognormal(mu, np.sqrt(sigma2), size=size)
+    return np.clip(np.rint(x), 1, max(1, round(4 * mean))).astype(int)
+
+
+def make_workload(name_or_file: str, n: int, rate: float, seed: int = 0, arrival: str | None = None,
+                  tokenizer: Any = None, scale: float | None = None, deadline_scale: float = 1.0,
+                  **arrival_kwargs: Any) -> list[WorkItem]:
+    """`n` requests of mix (or trace file) `name_or_file` at mean `rate` requests/s.
+
+    Deterministic per `seed`. `arrival` is a process of `bench.arrivals` (poisson, gamma,
+    step, ramp, onoff) whose extra parameters come in `arrival_kwargs`; None means poisson
+    for a mix and "replay" (the file's own timestamps) for a trace file. `scale` multiplies every length (None: the mix's
+    default), `deadline_scale` every deadline."""
+    rng = np.random.default_rng(seed)
+    if name_or_file not in MIXES:
+        if not os.path.isfile(name_or_file):
+            raise ValueError(f"workload: {name_or_file!r} is neither a mix {sorted(MIXES)} nor a file")
+        return _from_trace(name_or_file, n, rate, rng, arrival, tokenizer, scale, deadline_scale, arrival_kwargs)
+    if n < 1:
+        raise ValueError(f"workload: n must be >= 1, got {n}")
+    if arrival == "replay":
+        raise ValueError(f"workload: arrival 'replay' needs a trace file, and {name_or_file!r} is a mix")
+    default_scale, classes = MIXES[name_or_file]
+    scale = default_scale if scale is None else scale
+    times = make_arrivals(arrival or "poisson", n, rate, rng, **arrival_kwargs)
+    weights = np.array([c.weight for c in classes])
+    which = rng.choice(len(classes), size=n, p=weights / weights.sum())
+    plens = np.empty(n, dtype=int)
+    olens = np.empty(n, dtype=int)
+    for k, c in enumerate(classes):  # lengths drawn per class, in a fixed order: seed-stable
+        idx = np.flatnonzero(which == k)
+        plens[idx] = lognormal_lengths(rng, c.prompt_mean * scale, c.cv, idx.size)
+        olens[idx] = lognormal_lengths(rng, c.output_mean * scale, c.cv, idx.size)
+    items = []
+    for i in range(n):
+        c = classes[which[i]]
+        text, ids = build_prompt(int(plens[i]), rng, tokenizer)
+        dl = None if c.deadline_ms is None else c.deadline_ms * deadline_scale
+        items.append(WorkItem(float(times[i]), int(plens[i]), text, ids, int(olens[i]), c.priority,
+                              dl, c.deadline_kind, c.name))
+    return items
+
+
+def _from_trace(path: str, n: int, rate: float, rng: np.random.Generator, arrival: str | None,
+                tokenizer: Any, scale: float | None, deadline_scale: float,
+                arrival_kwargs: dict[str, Any]) -> list[WorkItem]:
+    rows = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{lineno}: not JSON: {e}") from None
+            if 0 < n <= len(rows):
+                break
+    if not rows:
+        raise ValueError(f"{path}: no requests")
+    if arrival in (None, "replay"):
+        ts = np.array([float(r.get("timestamp", r.get("arrival", 0.0))) for r in rows])
+        ts = ts - ts.min()
+        if rate > 0 and ts.max() > 0:  # stretch so that len/span == rate, keeping the shape
+            ts = ts * (len(rows) / ts.max()) / rate
+    else:
+        ts = make_arrivals(arrival, len(rows), rate, rng, **arrival_kwargs)
+    s = 1.0 if scale is None else scale
+    items = []
+    for lineno, (r, t) in enumerate(zip(rows, ts), 1):
+        if "max_tokens" not in r or ("prompt" not in r and "prompt_len" not in r):
+            raise ValueError(f"{path}:{lineno}: needs max_tokens and prompt or prompt_len")
+        text, ids = r.get("prompt"), None
+        if "prompt_len" in r:
+            plen = max(1, round(int(r["prompt_len"]) * s))
+            if text is None:
+                text, ids = build_prompt(plen, rng, tokenizer)
+        elif tokenizer is not None:
+            plen = len(tokenizer.encode(text, add_special_tokens=False))
+        else:
+            plen = max(1, round(len(text) / 4))  # rough: about 4 characters a token in English
+        dl = r.get("deadline_ms")
+        items.append(WorkItem(float(t), plen, text, ids, max(1, round(int(r["max_tokens"]) * s)),
+                              int(r.get("priority", 5)), None if dl is None else float(dl) * deadline_scale,
+                              r.get("deadline_kind"), str(r.get("cls", r.get("class", "default")))))
+    items.sort(key=lambda w: w.arrival)
+    return items
+
+
+def save_trace(items: list[WorkItem], path: str) -> None:
+    """Write items as a JSONL trace that `make_workload(path, ...)` replays."""
+    with open(path, "w") as f:
+        for w in items:
+            row: dict[str, Any] = {"timestamp": w.arrival, "prompt_len": w.prompt_len, "max_tokens": w.max_tokens,
+                                   "priority": w.priority, "cls": w.cls}
+            if w.prompt is not None:
+                row["prompt"] = w.prompt
+            if w.deadline_ms is not None:
+                row.update(deadline_ms=w.deadline_ms, deadline_kind=w.deadline_kind)
+            f.write(json.dumps(row) + "\n")
+
+
+# --- prompts of an exact token length ------------------------------------------------------
+_WORDS: dict[int, list[str]] = {}  # id(tokenizer) -> words that are one token after a space
+
+
+def _one_token_words(tokenizer: Any) -> list[str]:
+    """Lower-case alphabetic words w such that " w" encodes to a single token. Scanned in id
+    order so the list (and so every prompt) is the same for the same tokenizer."""
+    key = id(tokenizer)
+    if key not in _WORDS:
+        words = []
+        for tid in range(min(len(tokenizer), 20000)):
+            w = tokenizer.decode([tid]).strip()
+            if 3 <= len(w) <= 8 and w.isascii() and w.isalpha() and w.islower() \
+                    and len(tokenizer.encode(" " + w, add_special_tokens=False)) == 1:
+                words.append(w)
+            if len(words) >= 2000:
+                break
+        if len(words) < 50:
+            raise ValueError("tokenizer: too few single-token words to build prompts")
+        _WORDS[key] = words
+    return _WORDS[key]
+
+
+def build_prompt(n_tokens: int, rng: np.random.Generator, tokenizer: Any = None) -> tuple[str | None, list[int] | None]:
+    """(text, None) re-encoding to exactly n_tokens with a tokenizer, else (None, random ids)."""
+    if tokenizer is None:
+        return None, rng.integers(*ORDINARY_IDS, size=n_tokens).tolist()
+    words = _one_token_words(tokenizer)
+    picks = [words[i] for i in rng.integers(0, len(words), size=n_tokens)]
+    text = " " + " ".join(picks)  # leading space: every word is its " word" token
+    for _ in range(8):  # merges across words are rare; trim or pad until exact
+        m = len(tokenizer.encode(text, add_special_tokens=False))
+        if m == n_tokens:
+            return text, None
+        if m > n_tokens:
+            text = text.rsplit(" ", m - n_tokens)[0] if " " in text.strip() else text
+        else:
+            text += " " + " ".join(words[i] for i in rng.integers(0, len(words), size=n_tokens - m))
+    raise ValueError(f"could not build a prompt of exactly {n_tokens} tokens with this tokenizer")

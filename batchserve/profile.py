@@ -1,0 +1,251 @@
+"""`batchserve profile` (S2.3, S2.4, S2.7): measure step time on this model and machine, fit a
+latency model, find the memory-bound max batch and the throughput knee, save it all as JSON.
+
+The runner executes hand-built ScheduledBatches (prompt chunks of P tokens, D decodes at a
+context of C tokens; KV contents are irrelevant to timing). The fitted step-time model is
+
+    t = c + a * prefill_tokens + b * decode_seqs + d * decode_context_ktokens
+          + e * prefill_attention_mpairs
+
+(context read by decodes in thousands of tokens; prompt attention in millions of query-key
+pairs), least squares with non-negative slopes. `ProfiledLatencyModel` loads the file and
+offers the same `predict_step` / `observe` interface as `core.latency`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from batchserve.config import EngineConfig
+from batchserve.core.batch import ScheduledBatch, ScheduledSeq
+from batchserve.request import SamplingParams
+
+log = logging.getLogger(__name__)
+TERMS = ("const", "prefill_token", "decode_seq", "decode_ktoken", "prefill_mpair")
+TINY_MODEL = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048}
+_GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
+
+
+def features(prefills: list[tuple[int, int]], decode_ctx: list[int]) -> list[float]:
+    """Regressors of one step: prefills as (start_pos, num_tokens), decodes by context length."""
+    return [1.0, float(sum(n for _, n in prefills)), float(len(decode_ctx)), sum(decode_ctx) / 1e3,
+            sum(n * (s + n) for s, n in prefills) / 1e6]
+
+
+def fit(rows: list[list[float]], times: list[float]) -> list[float]:
+    """Least squares on relative error (a 1 ms step matters as much as a 1 s one) with every
+    slope >= 0 (noise must not make a bigger step look faster): negative slopes are pinned
+    at zero and the rest refitted."""
+    x, y = np.asarray(rows, dtype=float), np.asarray(times, dtype=float)
+    w = 1.0 / np.maximum(y, 1e-9)
+    x, y = x * w[:, None], y * w
+    active = list(range(x.shape[1]))
+    while True:
+        coef, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        neg = [active[i] for i, c in enumerate(coef) if c < 0 and active[i] != 0]
+        if not neg:
+            break
+        active = [i for i in active if i not in neg]
+    out = [0.0] * x.shape[1]
+    for i, c in zip(active, coef):
+        out[i] = float(c)
+    return out
+
+
+def knee(batch_sizes: list[int], throughputs: list[float], min_gain: float = 0.15) -> int:
+    """The batch size past which throughput stops rising (S2.7): the smallest size that no
+    larger measured size beats by `min_gain` or more. Comparing against every larger size,
+    not just the next, keeps one noisy point from faking an early knee. The largest size
+    if throughput never levels off."""
+    for i in range(len(batch_sizes) - 1):
+        if max(throughputs[i + 1:]) < throughputs[i] * (1.0 + min_gain):
+            return batch_sizes[i]
+    return batch_sizes[-1]
+
+
+@dataclass
+class ProfiledLatencyModel:
+    """A step-time model from a profile: `predict_step(num_tokens, num_seqs)` in seconds.
+
+    `observe` keeps a slowly moving correction factor (measured / predicted), so a profile
+    taken on a quiet machine adapts when the machine is busier. `context_len` is the decode
+    context assumed when a caller gives only token and sequence counts.
+    """
+
+    coef: dict[str, float]
+    context_len: int = 256
+    knee_batch: int | None = None
+    max_batch_by_context: dict[int, int] = field(default_factory=dict)
+    max_model_len: int = 0
+    kv_bytes_per_token: int | None = None
+    kv_blocks: int | None = None
+    correction: float = 1.0
+    ready: bool = True
+
+    def predict(self, prefill_tokens: int, decode_seqs: int, context_len: int | None = None) -> float:
+        """Seconds for one step: a prompt chunk of `prefill_tokens` plus `decode_seqs` decodes
+        at `context_len` tokens each (default: the profile's reference context)."""
+        ctx = self.context_len if context_len is None else context_len
+        x = features([(0, prefill_tokens)] if prefill_tokens else [], [ctx] * decode_seqs)
+        return self._eval(x)
+
+    def predict_step(self, num_tokens: int, num_seqs: int, context: int | None = None) -> float:
+        """Seconds for a step of `num_tokens` over `num_seqs` sequences. All decodes when the
+        counts match, otherwise one prompt chunk and num_seqs - 1 decodes. `context`: the
+        step's KV tokens summed over its sequences, when the caller knows it."""
+        decodes = num_seqs if num_tokens <= num_seqs else max(0, num_seqs - 1)
+        prefill = num_tokens - decodes
+        if context is None or decodes == 0:
+            return self.predict(prefill, decodes)
+        x = features([(0, prefill)] if prefill else [], [])
+        x[2], x[3] = float(decodes), max(0, context - prefill) / 1e3
+        return self._eval(x)
+
+    def _eval(self, x: list[float]) -> float:
+        return max(0.0, self.correction * sum(self.coef[t] * v for t, v in zip(TERMS, x)))
+
+    def observe(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
+        pred = self.predict_step(num_tokens, num_seqs) / self.correction
+        if pred > 0 and seconds > 0:
+            self.correction = min(4.0, max(0.25, 0.95 * self.correction + 0.05 * seconds / pred))
+
+    def predict_batch(self, batch: int, prompt_len: int, output_len: int) -> float:
+        """Seconds for a request-level batch: one prefill of every prompt, then decodes."""
+        mid_ctx = prompt_len + output_len // 2
+        return (self.predict(batch * prompt_len, 0)
+                + max(0, output_len - 1) * self.predict(0, batch, mid_ctx))
+
+    @classmethod
+    def load(cls, path: str) -> "ProfiledLatencyModel":
+        with open(path) as f:
+            d = json.load(f)
+        fitm = d["fit"]
+        return cls(coef={t: float(fitm["coef"][t]) for t in TERMS}, context_len=int(fitm["context_len"]),
+                   knee_batch=d.get("knee", {}).get("batch"),
+                   max_batch_by_context={int(k): v for k, v in d.get("max_batch_by_context", {}).items()},
+                   max_model_len=int(d.get("max_model_len", 0)), kv_bytes_per_token=d.get("kv_bytes_per_token"),
+                   kv_blocks=d.get("num_blocks"))
+
+
+# --- measurement -----------------------------------------------------------------------------
+def _seq(rid: str, n: int, start: int, table: list[int], vocab: int) -> ScheduledSeq:
+    toks = [(start + i) * 7919 % vocab for i in range(n)]
+    return ScheduledSeq(rid, toks, start, table, True, _GREEDY, 0)
+
+
+def build_batch(runner, prefills: list[tuple[int, int]], decode_ctx: list[int]) -> ScheduledBatch | None:
+    """A batch of prompt chunks (start, n) and decodes at the given contexts, with fresh block
+    tables; None if it does not fit the KV pool (that is the memory bound)."""
+    bs = runner.block_size
+    need = [-(-(s + n) // bs) for s, n in prefills] + [-(-(c + 1) // bs) for c in decode_ctx]
+    if sum(need) > runner.num_blocks:
+        return None
+    seqs, nxt = [], 0
+    vocab = runner.cfg.vocab_size
+    for i, ((s, n), k) in enumerate(zip(prefills, need)):
+        seqs.append(_seq(f"p{i}", n, s, list(range(nxt, nxt + k)), vocab))
+        nxt += k
+    for i, (c, k) in enumerate(zip(decode_ctx, need[len(prefills):])):
+        seqs.append(_seq(f"d{i}", 1, c, list(range(nxt, nxt + k)), vocab))
+        nxt += k
+    return ScheduledBatch(seqs)
+
+
+def time_step(runner, batch: ScheduledBatch, reps: int) -> float:
+    runner.execute(batch)  # warm-up: allocator, kernels, caches
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        runner.execute(batch)
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def grid(quick: bool) -> tuple[list[int], list[int], list[int]]:
+    """(prefill token counts, decode batch sizes, context lengths) to measure."""
+    if quick:
+        return [8, 32], [1, 2, 4, 8], [16, 64]
+    return [16, 64, 256, 512], [1, 2, 4, 8, 16, 32, 64, 128], [128, 512, 1024]
+
+
+def run_profile(config: EngineConfig, quick: bool = False, reps: int = 3) -> dict:
+    """Measure, fit and summarise; returns the JSON-ready profile."""
+    from batchserve.runner.loader import load_model
+    from batchserve.runner.model_runner import ModelRunner, kv_bytes_per_block
+
+    loaded = load_model(config.model)
+    runner = ModelRunner(loaded, config.model, config.cache)
+    prefill_sizes, batch_sizes, contexts = grid(quick)
+    contexts = [c for c in contexts if c < runner.max_model_len]
+    samples: list[dict] = []
+
+    def measure(prefills: list[tuple[int, int]], decode_ctx: list[int]) -> float | None:
+        batch = build_batch(runner, prefills, decode_ctx)
+        if batch is None:
+            return None
+        t = time_step(runner, batch, reps)
+        samples.append({"prefills": prefills, "decode_ctx": decode_ctx, "seconds": t})
+        log.debug("prefills %s, %d decodes at %s: %.2f ms", prefills, len(decode_ctx),
+                  decode_ctx[0] if decode_ctx else "-", t * 1e3)
+        return t
+
+    for p in prefill_sizes:
+        measure([(0, p)], [])
+        measure([(contexts[0], p)], [])  # a later chunk: attention over earlier context
+    curves: dict[int, list[tuple[int, float]]] = {}
+    for c in contexts:
+        for b in batch_sizes:
+            t = measure([], [c] * b)
+            if t is not None:
+                curves.setdefault(c, []).append((b, t))
+    for p in prefill_sizes[:2]:  # mixed steps, as chunked / continuous run them
+        for b in batch_sizes[1::2]:
+            measure([(0, p)], [contexts[0]] * b)
+    coef = fit([features(s["prefills"], s["decode_ctx"]) for s in samples], [s["seconds"] for s in samples])
+    pred = [sum(c * x for c, x in zip(coef, features(s["prefills"], s["decode_ctx"]))) for s in samples]
+    errs = [abs(p - s["seconds"]) / s["seconds"] for p, s in zip(pred, samples)]
+    ref = contexts[0]
+    sizes = [b for b, _ in curves[ref]]
+    tput = [b / t for b, t in curves[ref]]
+    bs = config.cache.block_size
+    return {
+        "model": loaded.name, "device": config.model.device, "dtype": config.model.dtype,
+        "block_size": bs, "num_blocks": runner.num_blocks, "max_model_len": runner.max_model_len,
+        "kv_bytes_per_token": kv_bytes_per_block(runner.cfg, bs, runner.dtype) // bs,
+        "fit": {"terms": list(TERMS), "coef": dict(zip(TERMS, coef)), "context_len": ref,
+                "mean_rel_error": float(np.mean(errs)), "max_rel_error": float(np.max(errs))},
+        "max_batch_by_context": {str(c): runner.num_blocks // -(-c // bs) for c in contexts},
+        "decode_curves": {str(c): [{"batch": b, "step_s": t, "tokens_per_s": b / t} for b, t in pts]
+                          for c, pts in curves.items()},
+        "knee": {"context_len": ref, "batch": knee(sizes, tput), "throughputs": dict(zip(map(str, sizes), tput))},
+        "samples": samples,
+    }
+
+
+def report(prof: dict) -> str:
+    """A short human summary of a profile."""
+    f = prof["fit"]
+    lines = [f"model {prof['model']} on {prof['device']} ({prof['dtype']}), KV pool {prof['num_blocks']} blocks "
+             f"x {prof['block_size']} tokens",
+             "step time = " + " + ".join(f"{v * 1e3:.4g} ms x {t}" for t, v in f["coef"].items()),
+             f"fit error: mean {f['mean_rel_error']:.1%}, max {f['max_rel_error']:.1%} over "
+             f"{len(prof['samples'])} steps",
+             "max batch that fits the KV cache: " + ", ".join(
+                 f"{v} at {k} tokens" for k, v in prof["max_batch_by_context"].items()),
+             f"knee of decode throughput at context {prof['knee']['context_len']}: batch {prof['knee']['batch']} ("
+             + ", ".join(f"{b}: {t:.0f} tok/s" for b, t in prof["knee"]["throughputs"].items()) + ")"]
+    return "\n".join(lines)
+
+
+def save(prof: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(prof, f, indent=1)
+
+
+__all__ = ["ProfiledLatencyModel", "run_profile", "report", "save", "fit", "knee", "features"]

@@ -1,0 +1,121 @@
+"""The seed's four case studies, replayed by the simulator (`batchserve simulate --scenario NAME`).
+
+Each scenario runs the real engine (queue, scheduler, the policies it compares, KV manager) on
+the roofline model of the hardware the seed names — an A100 80GB with a 7B Llama in FP16 —
+and prints the seed's before/after figures next to the simulated ones, with a verdict per
+row (does the change go the seed's way?) and notes on why the numbers differ. Nothing is
+tuned to match: loads are set from the engine's own measured capacity, by a rule stated in
+each scenario's setup line.
+
+These live outside `sim/` because they name policies; the simulator itself knows none.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+from batchserve.core.policies import POLICIES
+from batchserve.sim.simulator import SimResult
+
+
+class ScenarioUnavailable(ValueError):
+    """A scenario needs a policy that is not registered (yet)."""
+
+
+@dataclass
+class Row:
+    """One compared figure. `better` says which way is an improvement: "lower" | "higher"."""
+
+    metric: str
+    seed_before: float | None
+    seed_after: float | None
+    sim_before: float | None
+    sim_after: float | None
+    better: str = "lower"
+    unit: str = ""
+
+    def verdict(self) -> str:
+        if None in (self.sim_before, self.sim_after):
+            return "-"
+        if self.sim_after == self.sim_before:
+            return "unchanged"
+        sim_up = self.sim_after > self.sim_before  # type: ignore[operator]
+        if self.seed_before is None or self.seed_after is None:
+            return "improves" if sim_up == (self.better == "higher") else "worsens"
+        seed_up = self.seed_after > self.seed_before
+        return "agrees" if sim_up == seed_up else "DISAGREES"
+
+
+@dataclass
+class ScenarioResult:
+    name: str
+    title: str
+    setup: list[str]
+    before: str  # label of the baseline configuration
+    after: str
+    rows: list[Row]
+    notes: list[str] = field(default_factory=list)
+    runs: dict[str, tuple[float, SimResult]] = field(default_factory=dict)  # label -> (rate, run)
+
+    def markdown(self) -> str:
+        out = [f"## {self.name}: {self.title}", ""] + [f"- {s}" for s in self.setup] + [
+            "", f"| metric | seed: {self.before} | seed: {self.after} | sim: {self.before} | sim: {self.after} | "
+                "direction |", "|---|---|---|---|---|---|"]
+        for r in self.rows:
+            cells = [_fmt(v, r.unit) for v in (r.seed_before, r.seed_after, r.sim_before, r.sim_after)]
+            out.append(f"| {r.metric} | " + " | ".join(cells) + f" | {r.verdict()} |")
+        if self.notes:
+            out += [""] + [f"- {n}" for n in self.notes]
+        return "\n".join(out)
+
+
+def _fmt(v: float | None, unit: str) -> str:
+    if v is None:
+        return "-"
+    if unit == "%":
+        return f"{100 * v:.1f}%"
+    if unit == "x":
+        return f"{v:.2f}x"
+    if isinstance(v, int) or abs(v) >= 10:
+        return f"{v:,.0f}{unit}"
+    return f"{v:.2f}{unit}"
+
+
+def require(*policies: str) -> None:
+    """Fail clearly when a compared policy has not landed."""
+    missing = [p for p in policies if p not in POLICIES]
+    if missing:
+        many = len(missing) > 1
+        raise ScenarioUnavailable(f"this scenario needs the {', '.join(missing)} polic{'ies' if many else 'y'}, "
+                                  f"which {'are' if many else 'is'} not registered "
+                                  f"(registered: {', '.join(sorted(POLICIES))})")
+
+
+def _registry() -> dict[str, Callable[[int | None, int], ScenarioResult]]:
+    from batchserve.scenarios import batching, load
+
+    return {"priority-flood": load.priority_flood, "adaptive-window": load.adaptive_window,
+            "mixed-granularity": batching.mixed_granularity, "static-vs-continuous": batching.static_vs_continuous}
+
+
+SCENARIOS = ("priority-flood", "adaptive-window", "mixed-granularity", "static-vs-continuous")
+CHOICES = SCENARIOS + ("all",)
+
+
+def run_scenario(name: str, requests: int | None = None, seed: int = 0, out_dir: str | None = None) -> str:
+    """Run one scenario (or "all"); return its markdown. With `out_dir`, every run's bench
+    report (records, summary, plots) goes to out_dir/<scenario>/<run>/."""
+    from batchserve.sim.runner import write_outputs
+
+    names = SCENARIOS if name == "all" else (name,)
+    texts = []
+    for n in names:
+        res = _registry()[n](requests, seed)
+        if out_dir:
+            for label, (rate, run) in res.runs.items():
+                write_outputs(os.path.join(out_dir, n, label), [(rate, run)], {"label": f"{n} {label}"})
+            with open(os.path.join(out_dir, n, "scenario.md"), "w") as f:
+                f.write(res.markdown() + "\n")
+        texts.append(res.markdown())
+    return "\n\n".join(texts)

@@ -1,0 +1,111 @@
+"""S1 and S2: the queue under a surge, and the window / batch cap under day and night load."""
+from __future__ import annotations
+
+import dataclasses
+
+from batchserve.bench.workload import WorkItem, make_workload
+from batchserve.config import LevelConfig, QueueConfig, SchedulerConfig
+from batchserve.scenarios import Row, ScenarioResult, require
+from batchserve.scenarios.common import GPU, MODEL, SATURATION_RATE, batch_fill, e2e, engine, rate_of
+from batchserve.sim.cost import RooflineCost
+from batchserve.sim.runner import simulate
+from batchserve.sim.simulator import SimResult
+
+
+# --- S1 ------------------------------------------------------------------------------------
+def priority_flood(requests: int | None, seed: int) -> ScenarioResult:
+    require("continuous")
+    n = requests or 8000
+    step_s, base = 20.0 * n / 8000, 40.0
+    items = make_workload("priority-flood", n, base, seed=seed, arrival="step", factors=(1.0, 7.5, 1.0),
+                          step_s=step_s)
+    fifo_items = [dataclasses.replace(w, priority=5) for w in items]  # one priority: arrival order only
+    fifo = engine("continuous", QueueConfig(urgent_slack_ms=None))
+    levels = engine("continuous", QueueConfig(levels=(
+        LevelConfig("high", tuple(range(7, 11)), capacity=5000), LevelConfig("mid", (4, 5, 6), capacity=10000),
+        LevelConfig("low", tuple(range(0, 4)), capacity=20000))))
+    cost = RooflineCost(GPU, MODEL)
+    a, b = simulate(fifo, cost, fifo_items), simulate(levels, cost, items)
+
+    def timeouts(r: SimResult, cls: str | None = None) -> float:
+        s = r.summary if cls is None else r.summary["per_class"][cls]
+        return s["n_timeout"] / s["n_requests"]
+
+    rows = [Row("high-priority P99 E2E, completed (ms)", 450, 120, e2e(a, "high"), e2e(b, "high")),
+            Row("timeout rate, all requests", 0.08, 0.005, timeouts(a), timeouts(b), unit="%"),
+            Row("low-priority mean E2E (ms)", 300, 800, e2e(a, "low", "mean"), e2e(b, "low", "mean")),
+            Row("high-priority timeout rate", None, None, timeouts(a, "high"), timeouts(b, "high"), unit="%"),
+            Row("mid-priority P99 E2E (ms)", None, None, e2e(a, "mid"), e2e(b, "mid")),
+            Row("rejected by level caps", None, None, a.summary["n_rejected"], b.summary["n_rejected"])]
+    notes = [
+        "Absolute latencies differ by an order of magnitude: the seed's service answers in ~80 ms, while a 7B "
+        "model generating ~32 tokens needs ~0.6-1 s of decode steps even with no queue, so every simulated "
+        "latency starts there; the 2 s hard deadline is the one figure the two share.",
+        "FIFO here is the same engine with every priority equal and no urgent lane; its high-priority P99 is "
+        "over the requests that completed, which under FIFO are mostly those that came before the surge "
+        "(the rest timed out), so it understates how bad FIFO is — the timeout rows carry that.",
+        "The seed checks the high queue every 50 ms; batchserve re-orders at every step (~20-40 ms here), "
+        "so high-priority requests join the running batch at the next step with no extra knob.",
+        "The mid level's soft 5 s deadline truncates answers under FIFO (finish 'deadline_truncated', still "
+        "completed) instead of failing them, which the seed's single timeout rate cannot show."]
+    return ScenarioResult(
+        "priority-flood", "FIFO vs three capped priority levels under a 7.5x surge (S1, seed 4.1.3)",
+        [f"priority-flood mix (10% high: priority 9, hard 2 s; 20% mid: 5, soft 5 s; 70% low: 1), prompt ~64 / "
+         f"output ~32 tokens; {n} requests, Poisson at {base:g} req/s, 7.5x ({7.5 * base:g} req/s) for "
+         f"{step_s:g} s from t={step_s:g} s, then back (the seed's 2k -> 15k QPS)",
+         "before: one unbounded level, arrival order; after: high (7-10, cap 5,000) / mid (4-6, cap 10,000) / "
+         "low (0-3, cap 20,000), refuse on overflow, urgent lane by slack < 50 ms; continuous policy",
+         f"simulated {a.num_steps + b.num_steps} steps in {a.wall_s + b.wall_s:.1f} s"],
+        "FIFO", "levels", rows, notes, {"fifo": (base, a), "levels": (base, b)})
+
+
+# --- S2 ------------------------------------------------------------------------------------
+def adaptive_window(requests: int | None, seed: int) -> ScenarioResult:
+    require("static", "dynamic")
+    n = requests or 2000
+    slo = SchedulerConfig.slo_p99_ms
+    cost = RooflineCost(GPU, MODEL)
+    fixed = engine("static", window_ms=50.0, max_batch=32)
+    adapt = engine("dynamic", max_batch=32, window_min_ms=15.0, window_max_ms=120.0, slo_p99_ms=slo)
+
+    def load(rate: float, k: int) -> list[WorkItem]:
+        return make_workload("chat", k, rate, seed=seed, scale=0.25)
+
+    cap = rate_of(simulate(fixed, cost, load(SATURATION_RATE, max(64, n // 2))))
+    day, night = 0.9 * cap, 0.9 * cap / 15
+    n_night = max(50, n // 4)
+    fd, ad = simulate(fixed, cost, load(day, n), slo), simulate(adapt, cost, load(day, n), slo)
+    fn, an = simulate(fixed, cost, load(night, n_night), slo), simulate(adapt, cost, load(night, n_night), slo)
+
+    def busy(r: SimResult) -> float:
+        return r.busy_s / r.summary["duration_s"]
+
+    rows = [Row(f"day P99 E2E (ms), SLO {slo:g}", 600, 450, e2e(fd), e2e(ad)),
+            Row("night 'GPU utilisation' = requests per batch / 32", 0.30, 0.55, batch_fill(fn, 32),
+                batch_fill(an, 32), better="higher", unit="%"),
+            Row("day throughput (req/s)", None, None, rate_of(fd), rate_of(ad), better="higher"),
+            Row("day requests per batch / 32", None, None, batch_fill(fd, 32), batch_fill(ad, 32),
+                better="higher", unit="%"),
+            Row("night P99 E2E (ms)", None, None, e2e(fn), e2e(an)),
+            Row("night GPU busy time", None, None, busy(fn), busy(an), better="higher", unit="%")]
+    notes = [
+        f"On this hardware a request-level batch of 32 short requests takes ~{32 / cap:.1f} s (one prefill, then "
+        "decode steps until its longest output ends), far longer than any window: the window decides little, "
+        "the run-to-completion batch decides most. The seed's service (video frames) finishes a batch well "
+        "inside its 50 ms window, which is what makes its window the lever.",
+        "A 7B decode step on an A100 is bound by reading the weights up to batch ~100 (roofline), so a smaller "
+        "batch cap is not faster per step, only less productive: when the SLO-steered cap drops (32 -> 24 -> "
+        "...) capacity drops with it, queues grow and P99 rises further. The seed's cap cut helped because its "
+        "batch latency grew with batch size; here that feedback loop runs the wrong way under day load.",
+        "At night the adaptive window lengthens toward 120 ms, but arrivals are ~1 per several hundred ms at "
+        "this scale, so a window holds about one request either way; the seed's 10-per-window night needs a "
+        "service whose per-batch time is much shorter than the gap between requests."]
+    return ScenarioResult(
+        "adaptive-window", "fixed 50 ms / 32 vs adaptive window + SLO-steered cap, day and night (S2, seed 4.2.3)",
+        [f"chat mix at scale 0.25 (prompt ~50 / output ~50 tokens: short requests, like frame analysis)",
+         f"fixed: static, window 50 ms, max batch 32; adaptive: dynamic, window 15-120 ms, cap from 32 steered "
+         f"by P99 against the SLO ({slo:g} ms, the engine's default)",
+         f"day = 90% of the fixed policy's saturation throughput ({cap:.1f} req/s) = {day:.2f} req/s, {n} "
+         f"requests; night = day / 15 (the seed's 3,000 : 200) = {night:.2f} req/s, {n_night} requests"],
+        "fixed", "adaptive", rows, notes,
+        {"fixed-day": (day, fd), "adaptive-day": (day, ad), "fixed-night": (night, fn), "adaptive-night": (night, an)})

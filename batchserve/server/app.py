@@ -1,0 +1,290 @@
+"""The OpenAI-compatible HTTP app: validate -> AsyncEngine.add -> JSON or SSE.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+GET /metrics. Every error is OpenAI-shaped JSON (see protocol.APIError).
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from batchserve.core.batch import RequestOutput
+from batchserve.engine.async_engine import AsyncEngine, EngineStoppedError
+from batchserve.engine.engine import LLMEngine
+from batchserve.engine.request_stream import RequestStream
+from batchserve.request import OverloadedError, RequestError
+from batchserve.server.config import ServerConfig
+from batchserve.server.metrics import ServerMetrics, take_snapshot
+from batchserve.server.protocol import APIError, GenerationRequest, bad, parse_generation, parse_json
+from batchserve.server.responses import ChunkWriter, completion_body, output_error, retry_after
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _StreamEnd:
+    """The once-only end of a streamed request: abort it if unfinished, count it out."""
+
+    def __init__(self, state: "ServerState", stream: RequestStream) -> None:
+        self.state, self.stream, self.ended = state, stream, False
+
+    def __call__(self) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        if not self.stream.finished:
+            self.state.engine.abort(self.stream.request_id)
+        self.state.inflight -= 1
+
+    async def later(self) -> None:  # async, so Starlette runs it on the event loop
+        self()
+
+
+class ServerState:
+    """Everything the routes share: config, engine, metrics, draining flag, in-flight count."""
+
+    def __init__(self, engine_source: LLMEngine | Callable[[], LLMEngine], config: ServerConfig,
+                 model_name: str) -> None:
+        self.config = config
+        self.model_name = model_name
+        self.metrics = ServerMetrics()
+        self.engine = AsyncEngine(engine_source, default_max_tokens=config.default_max_tokens,
+                                  on_step=self.metrics.observe_step, on_finish=self.metrics.observe_finish)
+        self.created = int(time.time())
+        self.draining = False
+        self.inflight = 0  # generation requests being answered (streams included)
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    # --- checks ------------------------------------------------------------------------
+    def check_auth(self, request: Request) -> None:
+        key = self.config.api_key
+        if key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    def check_admission(self) -> None:
+        if self.draining:
+            self.metrics.rejected.labels("shutting_down", "default").inc()
+            raise APIError(503, "the server is shutting down; retry on another instance", code="shutting_down",
+                           type="overloaded_error", headers=retry_after(5))
+        if not self.engine.ready:
+            raise APIError(503, "the model is not loaded yet", code="not_ready", type="overloaded_error",
+                           headers=retry_after(5))
+
+    async def read_json(self, request: Request) -> dict[str, Any]:
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype != "application/json":
+            raise APIError(400, f"Content-Type must be application/json, got {ctype or 'none'!r}",
+                           code="invalid_content_type")
+        limit = self.config.max_body_bytes
+        length = request.headers.get("content-length", "")
+        too_big = APIError(413, f"request body exceeds {limit} bytes", code="request_too_large")
+        if length.isdigit() and int(length) > limit:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+        return parse_json(b"".join(chunks))
+
+    async def until_disconnect(self, request: Request, aw: Awaitable[T], rid: str) -> T:
+        """Await `aw` unless the client leaves first; then abort the request at once."""
+        task = asyncio.ensure_future(aw)
+        watcher = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not task.done():
+                task.cancel()
+                self.engine.abort(rid)
+        if not task.done() or task.cancelled():
+            raise ClientGone(rid)
+        return task.result()
+
+    # --- generation --------------------------------------------------------------------
+    async def generate(self, request: Request, chat: bool) -> Response:
+        arrival = self.engine.now()
+        self.check_auth(request)
+        self.check_admission()
+        g = parse_generation(await self.read_json(request), chat)
+        if g.model != self.model_name:
+            raise APIError(404, f"model {g.model!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.inflight += 1
+        handed_to_stream = False
+        try:
+            stream = await self._add(g, rid, arrival)
+            if g.stream:  # wait for the first output, so an early failure still gets its status code
+                first = await self.until_disconnect(request, stream.next(), rid)
+                self._raise_if_failed(first)
+                handed_to_stream = True
+                end = _StreamEnd(self, stream)
+                # `end` runs from the generator's finally and as a background task: the
+                # generator may never start if the client leaves just before the first chunk.
+                return StreamingResponse(self._sse(g, rid, stream, first, end), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Request-Id": rid},
+                                         background=BackgroundTask(end.later))
+            out = await self.until_disconnect(request, stream.collect(), rid)
+            self._raise_if_failed(out)
+            return JSONResponse(completion_body(rid, int(time.time()), g.model, out, chat),
+                                headers={"X-Request-Id": rid})
+        except ClientGone:
+            return Response(status_code=499)  # nobody is listening; for the logs only
+        finally:
+            if not handed_to_stream:
+                self.inflight -= 1
+
+    async def _add(self, g: GenerationRequest, rid: str, arrival: float) -> RequestStream:
+        try:
+            return await self.engine.add(rid, g.params, prompt=g.prompt, messages=g.messages,
+                                         auto_max_tokens=g.auto_max_tokens, priority=g.priority,
+                                         deadline_ms=g.deadline_ms, deadline_kind=g.deadline_kind, now=arrival)
+        except RequestError as e:
+            raise bad(e.param, str(e).split(": ", 1)[-1]) from None
+        except OverloadedError as e:
+            self.metrics.rejected.labels("queue_full", e.level or "default").inc()
+            raise APIError(503, str(e), code="queue_full", type="overloaded_error",
+                           headers=retry_after(e.retry_after_s)) from None
+        except EngineStoppedError as e:
+            raise APIError(503, str(e), code="not_ready", type="overloaded_error", headers=retry_after(5)) from None
+
+    @staticmethod
+    def _raise_if_failed(out: RequestOutput) -> None:
+        if out.finished:
+            err = output_error(out)
+            if err is not None:
+                raise err
+
+    async def _sse(self, g: GenerationRequest, rid: str, stream: RequestStream, first: RequestOutput,
+                   end: "_StreamEnd") -> AsyncIterator[bytes]:
+        writer = ChunkWriter(rid, int(time.time()), g.model, g.chat, g.include_usage)
+        try:
+            out = first
+            yield writer.write(out)
+            while not out.finished:
+                out = await stream.next()
+                yield writer.write(out)
+        finally:  # also on disconnect: Starlette cancels this generator when the client leaves
+            end()
+
+    # --- draining (SIGTERM) ------------------------------------------------------------
+    async def drain(self, grace_s: float) -> None:
+        """Refuse new requests, wait up to `grace_s` for in-flight ones, abort the rest."""
+        self.draining = True
+        log.info("draining: %d requests in flight, grace period %.1f s", self.inflight, grace_s)
+        end = time.monotonic() + grace_s
+        while self.inflight > 0 and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        if self.inflight > 0:
+            log.warning("grace period over: aborting %d requests", self.inflight)
+            self.engine.abort_all()
+            end = time.monotonic() + 2.0
+            while self.inflight > 0 and time.monotonic() < end:
+                await asyncio.sleep(0.05)
+
+
+def create_app(engine_source: LLMEngine | Callable[[], LLMEngine], config: ServerConfig | None = None,
+               model_name: str = "batchserve") -> FastAPI:
+    """The app around an engine (or a factory that builds one on the engine thread: /health
+    answers 503 until it is done). The engine thread runs while the app's lifespan does."""
+    config = config or ServerConfig()
+    state = ServerState(engine_source, config, config.served_model_name or model_name)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.loop = asyncio.get_running_loop()
+        state.engine.start(state.loop)
+        yield
+        await asyncio.to_thread(state.engine.shutdown)
+
+    app = FastAPI(title="batchserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+
+    def error_response(e: APIError) -> JSONResponse:
+        state.metrics.http_errors.labels(str(e.status)).inc()
+        if e.status >= 500 or e.status == 401:
+            log.info("%d %s: %s", e.status, e.code, e.message)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, e: APIError) -> JSONResponse:
+        return error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        return error_response(APIError(e.status_code, str(e.detail), code=code, headers=dict(e.headers or {})))
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        return error_response(APIError(400, str(e)))
+
+    @app.exception_handler(Exception)
+    async def on_crash(request: Request, e: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return error_response(APIError(500, f"internal error: {type(e).__name__}", type="server_error",
+                                       code="internal_error"))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await state.generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await state.generate(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        state.check_auth(request)
+        eng = state.engine.engine
+        card: dict[str, Any] = {"id": state.model_name, "object": "model", "created": state.created,
+                                "owned_by": "batchserve"}
+        if eng is not None:
+            card["max_model_len"] = eng.executor.max_model_len
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        eng = state.engine
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if eng.load_error is not None:
+            return JSONResponse({"status": "failed", "error": str(eng.load_error)}, status_code=503)
+        if not eng.ready:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        snapshot = await state.engine.call(take_snapshot) if state.engine.ready else None
+        return Response(state.metrics.render(snapshot), media_type=CONTENT_TYPE_LATEST)
+
+    return app

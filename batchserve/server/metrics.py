@@ -1,0 +1,157 @@
+"""Prometheus metrics, all named `batchserve:*`, in a registry of their own per app (so tests
+can build several apps in one process).
+
+Counters and histograms are fed from the engine thread (`observe_step`, `observe_finish`;
+prometheus-client metrics are thread-safe). Gauges of engine state (queue lengths, running,
+KV usage, the policy's window and batch cap) come from an EngineSnapshot that /metrics takes
+on the engine thread between steps, so a scrape never reads state while it is being changed.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from batchserve.core.batch import RequestOutput
+from batchserve.engine.async_engine import StepRecord
+
+log = logging.getLogger("batchserve.requests")
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_TPOT = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+_BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+_TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
+_ANSWERED = ("stop", "length", "deadline_truncated")
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Engine state at one instant, taken on the engine thread."""
+
+    waiting: dict[str, int] = field(default_factory=dict)
+    running: int = 0
+    kv_usage: float = 0.0
+    kv_free_blocks: int = 0
+    kv_blocks: int = 0
+    preemptions: int = 0
+    prefix_hit_rate: float = 0.0
+    window_ms: float | None = None
+    max_batch: int | None = None
+
+
+def take_snapshot(engine: Any) -> EngineSnapshot:
+    """Read the engine's gauges; attributes newer parts may not have yet are optional."""
+    sched = engine.scheduler
+    by_level = getattr(sched.waiting, "lengths_by_level", None)
+    waiting = dict(by_level()) if callable(by_level) else {"default": len(sched.waiting)}
+    policy = sched.policy
+    return EngineSnapshot(
+        waiting=waiting, running=len(sched.running), kv_usage=engine.kv.usage,
+        kv_free_blocks=engine.kv.num_free_blocks, kv_blocks=engine.kv.num_blocks,
+        preemptions=sched.num_preemptions, prefix_hit_rate=engine.kv.prefix_hit_rate,
+        window_ms=getattr(policy, "window_ms", None), max_batch=getattr(policy, "max_batch", None))
+
+
+class _SnapshotCollector:
+    """Yields the gauge families of the latest snapshot."""
+
+    def __init__(self) -> None:
+        self.snapshot: EngineSnapshot | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.snapshot
+        if s is None:
+            return
+        g = GaugeMetricFamily("batchserve:requests_waiting", "Requests in the admission queue, by level",
+                              labels=["level"])
+        for level, n in sorted(s.waiting.items()):
+            g.add_metric([level], n)
+        yield g
+        yield GaugeMetricFamily("batchserve:requests_running", "Requests in the running batch", value=s.running)
+        yield GaugeMetricFamily("batchserve:kv_cache_usage", "Fraction of KV blocks in use (0-1)", value=s.kv_usage)
+        yield GaugeMetricFamily("batchserve:kv_cache_free_blocks", "KV blocks free or evictable",
+                                value=s.kv_free_blocks)
+        yield GaugeMetricFamily("batchserve:kv_cache_blocks", "KV blocks in the pool", value=s.kv_blocks)
+        yield CounterMetricFamily("batchserve:preemptions", "Requests preempted (by recompute)", value=s.preemptions)
+        yield GaugeMetricFamily("batchserve:prefix_cache_hit_rate", "Prompt tokens found in the prefix cache (0-1)",
+                                value=s.prefix_hit_rate)
+        if s.window_ms is not None:
+            yield GaugeMetricFamily("batchserve:scheduling_window_ms", "The policy's current collection window",
+                                    value=s.window_ms)
+        if s.max_batch is not None:
+            yield GaugeMetricFamily("batchserve:max_batch", "The policy's current batch cap", value=s.max_batch)
+
+
+class ServerMetrics:
+    """Every metric of one server, and the per-request log line."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.queue_time = Histogram("batchserve:request_queue_time_seconds", "Arrival to first scheduled",
+                                    buckets=_LATENCY, registry=r)
+        self.ttft = Histogram("batchserve:time_to_first_token_seconds", "Arrival to first token",
+                              buckets=_LATENCY, registry=r)
+        self.tpot = Histogram("batchserve:time_per_output_token_seconds", "Mean gap between output tokens",
+                              buckets=_TPOT, registry=r)
+        self.e2e = Histogram("batchserve:e2e_request_latency_seconds", "Arrival to last token (answered requests)",
+                             buckets=_LATENCY, registry=r)
+        self.batch_size = Histogram("batchserve:batch_size", "Requests per model step", buckets=_BATCH, registry=r)
+        self.batch_tokens = Histogram("batchserve:batch_tokens", "Tokens per model step", buckets=_TOKENS, registry=r)
+        self.step_time = Histogram("batchserve:step_time_seconds", "Model step time", buckets=_TPOT, registry=r)
+        self.requests = Counter("batchserve:requests", "Finished requests, by finish reason", ["finish_reason"],
+                                registry=r)
+        self.prompt_tokens = Counter("batchserve:prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("batchserve:generation_tokens", "Tokens generated", registry=r)
+        self.rejected = Counter("batchserve:requests_rejected", "Requests refused (queue_full, shutting_down) or "
+                                "dropped from a full queue (dropped)", ["reason", "level"], registry=r)
+        self.deadline_misses = Counter("batchserve:deadline_misses", "Deadlines missed: hard (failed, 504) or "
+                                       "soft (truncated answer)", ["kind"], registry=r)
+        self.http_errors = Counter("batchserve:http_errors", "Error responses, by HTTP status", ["status"], registry=r)
+        self._gauges = _SnapshotCollector()
+        r.register(self._gauges)
+
+    def render(self, snapshot: EngineSnapshot | None) -> bytes:
+        """The text exposition, with gauges from `snapshot` (None: engine not up)."""
+        self._gauges.snapshot = snapshot
+        return generate_latest(self.registry)
+
+    # --- fed from the engine thread --------------------------------------------------------
+    def observe_step(self, rec: StepRecord) -> None:
+        self.batch_size.observe(rec.num_seqs)
+        self.batch_tokens.observe(rec.num_tokens)
+        self.step_time.observe(rec.step_time)
+        self.generation_tokens.inc(rec.num_sampled)
+
+    def observe_finish(self, out: RequestOutput) -> None:
+        reason = out.finish_reason or "unknown"
+        level = getattr(out, "level", None) or "default"
+        self.requests.labels(reason).inc()
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        if reason == "deadline":
+            self.deadline_misses.labels("hard").inc()
+        elif reason == "deadline_truncated":
+            self.deadline_misses.labels("soft").inc()
+        elif reason == "rejected":
+            self.rejected.labels("dropped", level).inc()
+        t0 = out.arrival_time
+        queue = out.first_scheduled_time - t0 if out.first_scheduled_time is not None else None
+        ttft = out.first_token_time - t0 if out.first_token_time is not None else None
+        e2e = out.finish_time - t0 if out.finish_time is not None else None
+        if queue is not None:
+            self.queue_time.observe(queue)
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        n = len(out.token_ids)
+        if reason in _ANSWERED and e2e is not None:
+            self.e2e.observe(e2e)
+            if n > 1 and out.first_token_time is not None:
+                self.tpot.observe((out.finish_time - out.first_token_time) / (n - 1))
+        log.info("request %s level=%s priority=%d prompt_tokens=%d completion_tokens=%d queue_ms=%s ttft_ms=%s "
+                 "e2e_ms=%s finish=%s%s", out.request_id, level, out.priority, len(out.prompt_token_ids), n,
+                 _ms(queue), _ms(ttft), _ms(e2e), reason, f" error={out.error!r}" if out.error else "")
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.1f}"

@@ -1,0 +1,217 @@
+"""The OpenAI request side: strict validation of /v1/completions and /v1/chat/completions
+bodies into a GenerationRequest, and APIError, the one exception every route raises.
+
+Validation is done by hand rather than with pydantic models so that every failure names its
+field (`param`) and types are strict: "5" is not an integer, true is not a number.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchserve.request import RequestError, SamplingParams
+
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+# Fields we accept only at their "off" value: silently ignoring them would change answers.
+_UNSUPPORTED = {
+    "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""), "logprobs": (None, False),
+    "top_logprobs": (None, 0), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []),
+}
+
+
+@dataclass
+class APIError(Exception):
+    """An error answered as OpenAI-shaped JSON: {"error": {message, type, param, code}}."""
+
+    status: int
+    message: str
+    param: str | None = None
+    code: str | None = None
+    type: str = "invalid_request_error"
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(param: str | None, message: str, code: str = "invalid_value") -> APIError:
+    """A 400 naming the offending field in both `param` and the message."""
+    return APIError(400, f"{param}: {message}" if param else message, param=param, code=code)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated completion or chat request, ready for AsyncEngine.add."""
+
+    chat: bool
+    model: str
+    prompt: str | list[int] | None
+    messages: list[dict] | None
+    params: SamplingParams
+    auto_max_tokens: bool  # max_tokens not given: fill the room the context leaves
+    stream: bool
+    include_usage: bool
+    priority: int | None
+    deadline_ms: float | None
+    deadline_kind: str | None
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or a 400."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"the JSON body must be an object, got {type(body).__name__}", code="invalid_json")
+    return body
+
+
+def _show(v: Any) -> str:
+    s = json.dumps(v)
+    return s if len(s) <= 40 else s[:37] + "..."
+
+
+def _int(body: dict, name: str, lo: int | None = None, hi: int | None = None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise bad(name, f"must be an integer, got {_show(v)}")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        rng = f"in [{lo}, {hi}]" if lo is not None and hi is not None else f">= {lo}" if lo is not None else f"<= {hi}"
+        raise bad(name, f"must be {rng}, got {v}")
+    return v
+
+
+def _num(body: dict, name: str) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+        raise bad(name, f"must be a number, got {_show(v)}")
+    return float(v)
+
+
+def _bool(body: dict, name: str) -> bool | None:
+    v = body.get(name)
+    if v is not None and not isinstance(v, bool):
+        raise bad(name, f"must be true or false, got {_show(v)}")
+    return v
+
+
+def _prompt(body: dict) -> str | list[int]:
+    p = body.get("prompt")
+    if p is None:
+        raise bad("prompt", "is required")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]  # a batch of one
+    if isinstance(p, str):
+        if not p:
+            raise bad("prompt", "must not be empty")
+        return p
+    if isinstance(p, list):
+        if not p:
+            raise bad("prompt", "must not be empty")
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            return p
+        if all(isinstance(t, (str, list)) for t in p):
+            raise bad("prompt", f"only one prompt per request is supported, got {len(p)}")
+    raise bad("prompt", "must be a string or a list of token ids")
+
+
+def _messages(body: dict) -> list[dict]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("messages", "must be a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(msgs):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad(where, "must be an object with role and content")
+        role = m.get("role")
+        if role not in _ROLES:
+            raise bad(f"{where}.role", f"must be one of {list(_ROLES)}, got {_show(role)}")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: only text is supported
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad(f"{where}.content", "only text content parts are supported")
+                texts.append(part["text"])
+            content = "".join(texts)
+        elif content is None and role == "assistant":
+            content = ""
+        elif not isinstance(content, str):
+            raise bad(f"{where}.content", f"must be a string or a list of text parts, got {_show(content)}")
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return out
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    v = body.get("stop")
+    if v is None:
+        return ()
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v) or len(v) > 16:
+        raise bad("stop", f"must be a non-empty string or a list of up to 16 of them, got {_show(v)}")
+    return tuple(v)
+
+
+def parse_generation(body: dict[str, Any], chat: bool) -> GenerationRequest:
+    """Validate a completion (chat=False) or chat completion body; raise APIError (400)."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("model", "is required and must be a string" if model is None else f"must be a string, got {_show(model)}")
+    for name, allowed in _UNSUPPORTED.items():
+        if body.get(name) not in allowed:
+            raise bad(name, "is not supported by this server", code="unsupported_parameter")
+    n = _int(body, "n")
+    if n not in (None, 1):
+        raise bad("n", f"only n=1 is supported, got {n}", code="unsupported_parameter")
+    prompt = messages = None
+    if chat:
+        messages = _messages(body)
+        max_tokens = _int(body, "max_completion_tokens", lo=1)
+        max_tokens = _int(body, "max_tokens", lo=1) if max_tokens is None else max_tokens
+    else:
+        prompt = _prompt(body)
+        max_tokens = _int(body, "max_tokens", lo=1)
+    temperature, top_p = _num(body, "temperature"), _num(body, "top_p")
+    if temperature is not None and not 0.0 <= temperature <= 2.0:
+        raise bad("temperature", f"must be in [0, 2], got {temperature}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise bad("top_p", f"must be in (0, 1], got {top_p}")
+    top_k = _int(body, "top_k", lo=-1)  # -1 (vLLM's "off") is 0 here
+    stream = bool(_bool(body, "stream"))
+    opts = body.get("stream_options")
+    if opts is not None and not stream:
+        raise bad("stream_options", "is only allowed when stream is true")
+    if opts is not None and not isinstance(opts, dict):
+        raise bad("stream_options", "must be an object")
+    include_usage = bool(_bool(opts, "include_usage")) if opts else False
+    deadline_kind = body.get("deadline_kind")
+    if deadline_kind not in (None, "hard", "soft"):
+        raise bad("deadline_kind", f"must be \"hard\" or \"soft\", got {_show(deadline_kind)}")
+    deadline_ms = _num(body, "deadline_ms")
+    if deadline_ms is not None and deadline_ms <= 0:
+        raise bad("deadline_ms", f"must be > 0, got {deadline_ms:g}")
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens if max_tokens is not None else (1 if chat else 16),
+            temperature=1.0 if temperature is None else temperature, top_p=1.0 if top_p is None else top_p,
+            top_k=max(0, top_k or 0), seed=_int(body, "seed"), stop=_stop(body),
+            ignore_eos=bool(_bool(body, "ignore_eos")))
+    except RequestError as e:
+        raise bad(e.param, str(e).split(": ", 1)[-1]) from None
+    return GenerationRequest(
+        chat=chat, model=model, prompt=prompt, messages=messages, params=params,
+        auto_max_tokens=chat and max_tokens is None, stream=stream, include_usage=include_usage,
+        priority=_int(body, "priority", lo=0, hi=10), deadline_ms=deadline_ms, deadline_kind=deadline_kind)

@@ -1,0 +1,108 @@
+"""The OpenAI response side: JSON bodies, SSE chunks, and what each finish reason means on
+the wire (by name, so reasons the engine adds later map the same way)."""
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from batchserve.core.batch import RequestOutput
+from batchserve.server.protocol import APIError
+
+SSE_DONE = b"data: [DONE]\n\n"
+# Finish reasons a client sees as a normal answer; the others become errors.
+OK_REASONS = ("stop", "length", "deadline_truncated")
+
+
+def retry_after(seconds: float) -> dict[str, str]:
+    """A Retry-After header: whole seconds, at least 1."""
+    return {"Retry-After": str(max(1, math.ceil(seconds)))}
+
+
+def output_error(out: RequestOutput, retry_after_s: float = 1.0) -> APIError | None:
+    """The error a finished output stands for, or None if it is a normal answer."""
+    reason = out.finish_reason
+    if reason in OK_REASONS:
+        return None
+    detail = f": {out.error}" if out.error else ""
+    if reason == "deadline":
+        return APIError(504, f"the request's hard deadline was missed{detail}", code="deadline_exceeded",
+                        type="timeout_error")
+    if reason == "rejected":
+        return APIError(503, f"the request was dropped from a full queue{detail}", code="dropped",
+                        type="overloaded_error", headers=retry_after(retry_after_s))
+    if reason == "abort":
+        return APIError(503, f"the request was aborted (server shutting down){detail}", code="aborted",
+                        type="overloaded_error", headers=retry_after(retry_after_s))
+    return APIError(500, f"generation failed{detail}", code="model_error" if reason == "error" else reason,
+                    type="server_error")
+
+
+def usage(out: RequestOutput) -> dict[str, int]:
+    p, c = len(out.prompt_token_ids), len(out.token_ids)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def completion_body(rid: str, created: int, model: str, out: RequestOutput, chat: bool) -> dict[str, Any]:
+    """The non-streaming response for a finished output."""
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
+                  "finish_reason": out.finish_reason}
+    else:
+        choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": model, "choices": [choice], "usage": usage(out)}
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+class ChunkWriter:
+    """Turns a request's outputs into SSE bytes: one write per output read."""
+
+    def __init__(self, rid: str, created: int, model: str, chat: bool, include_usage: bool) -> None:
+        self.rid, self.created, self.model, self.chat = rid, created, model, chat
+        self.include_usage = include_usage
+        self._started = False
+
+    def _chunk(self, choice: dict[str, Any] | None, usage_: dict[str, int] | None = None) -> bytes:
+        obj: dict[str, Any] = {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                               "created": self.created, "model": self.model,
+                               "choices": [choice] if choice is not None else []}
+        if self.include_usage:
+            obj["usage"] = usage_
+        return sse(obj)
+
+    def _choice(self, text: str | None, finish: str | None) -> dict[str, Any]:
+        if self.chat:
+            delta = {} if text is None else {"content": text}
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+
+    def write(self, out: RequestOutput) -> bytes:
+        """Chunks for one (possibly merged) output; the last ones once it is finished."""
+        parts: list[bytes] = []
+        if self.chat and not self._started:
+            parts.append(self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None}))
+        self._started = True
+        if not out.finished:
+            if out.new_text:
+                parts.append(self._chunk(self._choice(out.new_text, None)))
+            return b"".join(parts)
+        err = output_error(out)
+        if err is not None:  # the status line is long gone: an error event, as OpenAI streams do
+            if out.new_text:
+                parts.append(self._chunk(self._choice(out.new_text, None)))
+            parts.append(sse({**err.body(), "status_code": err.status}))
+            return b"".join(parts) + SSE_DONE
+        if self.chat:
+            if out.new_text:
+                parts.append(self._chunk(self._choice(out.new_text, None)))
+            parts.append(self._chunk(self._choice(None, out.finish_reason)))
+        else:
+            parts.append(self._chunk(self._choice(out.new_text, out.finish_reason)))
+        if self.include_usage:
+            parts.append(self._chunk(None, usage(out)))
+        return b"".join(parts) + SSE_DONE

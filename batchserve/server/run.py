@@ -1,0 +1,62 @@
+"""`batchserve serve`: uvicorn around the app, with a graceful SIGTERM.
+
+SIGTERM: admission stops at once (new requests get 503, /health 503, so a load balancer moves
+on), requests in flight get up to `grace_period_s` to finish, the rest are aborted, then the
+process exits 0. A second SIGTERM, or SIGINT, exits at once (uvicorn's own behaviour).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from types import FrameType
+
+import uvicorn
+
+from batchserve.server.app import ServerState, create_app
+from batchserve.server.config import load_configs, model_name
+
+log = logging.getLogger(__name__)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose first SIGTERM drains the app before shutting down."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, grace_s: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.grace_s = grace_s
+        self._drain_task: asyncio.Task | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        loop = self.state.loop
+        if sig != signal.SIGTERM or self.state.draining or loop is None:
+            super().handle_exit(sig, frame)
+            return
+        self.state.draining = True  # before anything else: no request is admitted from here on
+        loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        await self.state.drain(self.grace_s)
+        log.info("drained; shutting down")
+        self.should_exit = True
+
+
+def serve(a: argparse.Namespace) -> int:
+    """Run the server until it is told to stop (the `serve` subcommand)."""
+    from batchserve.engine.engine import LLMEngine
+
+    engine_cfg, server_cfg = load_configs(a)
+    app = create_app(lambda: LLMEngine.from_config(engine_cfg), server_cfg, model_name(engine_cfg.model.model))
+    state: ServerState = app.state.server
+    config = uvicorn.Config(app, host=server_cfg.host, port=server_cfg.port, log_level=a.log_level.lower(),
+                            access_log=False, timeout_graceful_shutdown=5, timeout_keep_alive=5)
+    log.info("serving %r on http://%s:%d (model loads in the background; /health turns 200 when ready)",
+             state.model_name, server_cfg.host, server_cfg.port)
+    DrainingServer(config, state, server_cfg.grace_period_s).run()
+    return 0
+

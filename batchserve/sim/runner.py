@@ -1,0 +1,184 @@
+"""`batchserve simulate`: build the cost model and engine config, run, sweep, write results.
+
+Outputs (with `--out DIR`) are the files `bench` writes, through bench's report module:
+`records_rR.jsonl` (one RequestRecord per request, virtual times), `timeline_rR.json` (queue
+depth, running batch, KV usage, window and cap, named as the server's gauges), `summary.json`,
+`table.md` and the PNG plots; a sweep over a scheduler field writes one such directory per
+value plus `sweep.json`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from batchserve.bench.workload import WorkItem, make_workload
+from batchserve.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
+from batchserve.sim.cost import CostModel, make_cost_model
+from batchserve.sim.simulator import SimResult, Simulator
+
+SWEEP_ALIASES = {"window": "window_ms", "max-batch": "max_batch", "batch": "max_batch",
+                 "chunk": "chunk_size", "chunk-size": "chunk_size", "max-num-seqs": "max_num_seqs"}
+DEFAULT_REQUESTS = 1000
+TOKEN_TIMES_LIMIT = 20_000  # above this many requests per-token times are not kept (memory)
+
+
+def simulate(config: EngineConfig, cost: CostModel, items: Sequence[WorkItem], slo_ms: float | None = None,
+             token_times: bool | None = None, **kw: Any) -> SimResult:
+    """One run on a fresh engine. Per-token times are kept for small runs only."""
+    keep = len(items) <= TOKEN_TIMES_LIMIT if token_times is None else token_times
+    return Simulator(config, cost, slo_ms=slo_ms, token_times=keep, **kw).run(items)
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    field: str  # "rate" or a SchedulerConfig field
+    values: tuple[float, ...]
+
+    @staticmethod
+    def parse(text: str) -> "SweepSpec":
+        """`rate=1,2,4`, `window_ms=10,50,100`, `max_batch=8,16,32`, `chunk_size=256,512`."""
+        name, sep, vals = text.partition("=")
+        name = SWEEP_ALIASES.get(name.strip(), name.strip().replace("-", "_"))
+        fields = {f.name: f for f in dataclasses.fields(SchedulerConfig)}
+        if not sep or (name != "rate" and (name not in fields or fields[name].type not in ("int", "float"))):
+            raise ConfigError(f"--sweep: expected rate=... or a numeric scheduler field=..., got {text!r}")
+        try:
+            values = tuple(float(v) for v in vals.split(",") if v.strip())
+        except ValueError:
+            raise ConfigError(f"--sweep {text!r}: values must be numbers") from None
+        if not values:
+            raise ConfigError(f"--sweep {text!r}: no values")
+        if name != "rate" and fields[name].type == "int":
+            values = tuple(int(v) for v in values)
+        return SweepSpec(name, values)
+
+
+def sweep(spec: SweepSpec, config: EngineConfig, cost: CostModel, workload: dict[str, Any],
+          slo_ms: float) -> tuple[list[dict[str, Any]], dict[str, Any] | None, list[SimResult]]:
+    """Run every value; the best is, among runs whose P99 end-to-end latency meets `slo_ms`
+    and that completed >= 99% of their requests, the one with the most goodput (a rate
+    sweep: the highest rate that still meets the SLO)."""
+    rows, results = [], []
+    for v in spec.values:
+        wl = dict(workload)
+        cfg = config
+        if spec.field == "rate":
+            wl["rate"] = v
+        else:
+            cfg = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, **{spec.field: v}))
+        res = simulate(cfg, cost, make_workload(**wl), slo_ms=slo_ms)
+        results.append(res)
+        s = res.summary
+        p99 = s["latency"]["e2e_ms"]["p99"]
+        done = s["n_ok"] / max(1, s["n_requests"])
+        rows.append({spec.field: v, "rate": wl["rate"], "throughput_rps": s["throughput_rps"],
+                     "goodput_rps": s["goodput_rps"], "output_tokens_per_s": s["output_tokens_per_s"],
+                     "e2e_p50_ms": s["latency"]["e2e_ms"]["p50"], "e2e_p99_ms": p99,
+                     "ttft_p99_ms": s["latency"]["ttft_ms"]["p99"], "completed": done,
+                     "meets_slo": p99 is not None and p99 <= slo_ms and done >= 0.99})
+    ok = [r for r in rows if r["meets_slo"]]
+    key = (lambda r: r["rate"]) if spec.field == "rate" else (lambda r: (r["goodput_rps"], -r["e2e_p99_ms"]))
+    return rows, (max(ok, key=key) if ok else None), results
+
+
+def format_summary(s: dict[str, Any], title: str = "") -> str:
+    """The headline numbers of a summary as a few text lines."""
+    lat = s["latency"]
+
+    def d(name: str) -> str:
+        x = lat[name]
+        return "-" if x["p50"] is None else f"{x['p50']:.0f} / {x['p90']:.0f} / {x['p99']:.0f}"
+
+    lines = [title] if title else []
+    lines += [f"requests {s['n_requests']}  ok {s['n_ok']}  rejected {s['n_rejected']}  timeout {s['n_timeout']}"
+              f"  errors {s['n_errors']}   span {s['duration_s']:.1f} s (virtual)",
+              f"throughput {s['throughput_rps']:.2f} req/s  {s['output_tokens_per_s']:.0f} tok/s  "
+              f"goodput {s['goodput_rps']:.2f} req/s",
+              f"TTFT ms p50/p90/p99 {d('ttft_ms')}   TPOT {d('tpot_ms')}   E2E {d('e2e_ms')}"]
+    for cls, c in s["per_class"].items():
+        if len(s["per_class"]) > 1:
+            e = c["latency"]["e2e_ms"]
+            p = "-" if e["p50"] is None else f"{e['p50']:.0f} / {e['p99']:.0f}"
+            lines.append(f"  {cls:<10} n={c['n_requests']:<6} ok={c['n_ok']:<6} E2E p50/p99 {p} ms  "
+                         f"timeouts {c['n_timeout']} rejected {c['n_rejected']}")
+    return "\n".join(lines)
+
+
+def format_sweep(spec: SweepSpec, rows: list[dict[str, Any]], best: dict[str, Any] | None, slo_ms: float) -> str:
+    out = [f"| {spec.field} | req/s | goodput | tok/s | E2E p50 ms | E2E p99 ms | meets SLO {slo_ms:.0f} ms |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        p50 = "-" if r["e2e_p50_ms"] is None else f"{r['e2e_p50_ms']:.0f}"
+        p99 = "-" if r["e2e_p99_ms"] is None else f"{r['e2e_p99_ms']:.0f}"
+        mark = " **best**" if r is best else ""
+        out.append(f"| {r[spec.field]:g} | {r['throughput_rps']:.2f} | {r['goodput_rps']:.2f} | "
+                   f"{r['output_tokens_per_s']:.0f} | {p50} | {p99} | {'yes' if r['meets_slo'] else 'no'}{mark} |")
+    out.append(f"best {spec.field}: {best[spec.field]:g}" if best else f"no setting meets the SLO of {slo_ms:.0f} ms")
+    return "\n".join(out)
+
+
+def write_outputs(out_dir: str, runs: list[tuple[float, SimResult]], meta: dict[str, Any],
+                  plot: bool = True) -> str:
+    """bench's report files for simulated runs (one per rate): records_rR.jsonl,
+    timeline_rR.json, summary.json, table.md and the PNGs. Returns summary.json's path."""
+    from batchserve.bench.report import RateRun, write_report
+
+    return write_report(out_dir, meta, [RateRun(rate, r.records, {**r.summary, "engine": r.engine_stats},
+                                                r.timeline) for rate, r in runs], plot=plot)
+
+
+def run_cli(a: Any, config: EngineConfig) -> int:
+    """The body of `batchserve simulate` (argparse namespace from cli.py)."""
+    if a.scenario:
+        from batchserve.scenarios import run_scenario
+
+        print(run_scenario(a.scenario, requests=a.requests, seed=a.seed, out_dir=a.out))
+        return 0
+    if a.profile and a.hardware:
+        raise ConfigError("--hardware and --profile: give one or the other")
+    kv_gb = a.kv_cache_gb if a.kv_cache_gb != CacheConfig.kv_cache_gb else None  # only when asked for
+    cost = make_cost_model(a.hardware, a.profile, a.model, 4 if a.dtype == "float32" else 2, a.max_model_len,
+                           **({"kv_cache_gb": kv_gb} if a.profile else {}))
+    slo = a.slo_ms if a.slo_ms is not None else config.scheduler.slo_p99_ms
+    arrival_kw: dict[str, Any] = json.loads(a.arrival_args) if a.arrival_args else {}
+    if a.burstiness is not None:
+        arrival_kw["burstiness"] = a.burstiness
+    workload = {"name_or_file": a.workload, "n": a.requests or DEFAULT_REQUESTS, "rate": a.rate, "seed": a.seed,
+                "arrival": a.arrival, "scale": a.scale, **arrival_kw}
+    meta = {"label": f"sim {config.scheduler.policy}", "cost": cost.describe(), "workload": a.workload,
+            "requests": workload["n"], "seed": a.seed, "arrival": a.arrival, "arrival_args": arrival_kw,
+            "scale": a.scale, "slo_ms": slo, "policy": config.scheduler.policy,
+            "scheduler": dataclasses.asdict(config.scheduler), "block_size": config.cache.block_size}
+    print(f"{cost.name}: {cost.num_blocks(config.cache.block_size)} KV blocks of {config.cache.block_size} "
+          f"tokens; policy {config.scheduler.policy}", file=sys.stderr)
+    if a.sweep:
+        spec = SweepSpec.parse(a.sweep)
+        rows, best, results = sweep(spec, config, cost, workload, slo)
+        print(format_sweep(spec, rows, best, slo))
+        if a.out:
+            if spec.field == "rate":
+                write_outputs(a.out, list(zip(spec.values, results)), meta)
+            else:
+                for v, res in zip(spec.values, results):
+                    write_outputs(os.path.join(a.out, f"{spec.field}_{v:g}"), [(a.rate, res)],
+                                  {**meta, "label": f"{meta['label']} {spec.field}={v:g}"})
+            os.makedirs(a.out, exist_ok=True)
+            with open(os.path.join(a.out, "sweep.json"), "w") as f:
+                json.dump({"field": spec.field, "slo_ms": slo, "rows": rows, "best": best, "meta": meta},
+                          f, indent=1, sort_keys=True)
+            print(f"wrote {a.out}/", file=sys.stderr)
+        return 0
+    items = make_workload(**workload)
+    res = simulate(config, cost, items, slo_ms=slo, token_times=a.token_times)
+    print(format_summary(res.summary, f"{a.workload} x {len(items)} at {a.rate:g} req/s, "
+                                      f"policy {config.scheduler.policy}, {cost.name}"))
+    busy = res.busy_s / max(res.summary["duration_s"], 1e-9)
+    print(f"[{res.num_steps} steps, GPU busy {100 * busy:.0f}%, simulated in {res.wall_s:.2f} s]", file=sys.stderr)
+    if a.out:
+        print(f"wrote {write_outputs(a.out, [(a.rate, res)], meta)} and the records, table and plots",
+              file=sys.stderr)
+    return 0

@@ -1,0 +1,285 @@
+"""The admission queue (S1) on its own and through the engine: ordering, caps, overflow
+policies, the urgent lane, remove-by-id, config, metrics, scale. Virtual time only."""
+import argparse
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchserve.cli import add_engine_args, engine_config
+from batchserve.config import ConfigError, LevelConfig, QueueConfig
+from batchserve.core.queue import AdmissionQueue
+from batchserve.request import OverloadedError, Request, SamplingParams
+
+P = SamplingParams(max_tokens=4)
+THREE = (LevelConfig("high", tuple(range(7, 11)), capacity=3, overflow="reject"),
+         LevelConfig("normal", (4, 5, 6), capacity=3, overflow="drop_oldest"),
+         LevelConfig("low", (0, 1, 2, 3)))
+
+
+def req(rid, prio=5, arrival=0.0, **kw):
+    return Request(str(rid), [1, 2, 3], P, arrival, priority=prio, **kw)
+
+
+def no_service(r):
+    return 0.0
+
+
+def spec_key(r, now, after_ms):
+    """The seed's comparator: is_urgent, then priority (higher first), then arrival_time."""
+    urgent = r.urgent or (after_ms is not None and (now - r.arrival_time) * 1000 > after_ms)
+    return (not urgent, -r.priority, r.arrival_time)
+
+
+# --- ordering -----------------------------------------------------------------------------
+ops = st.lists(st.one_of(
+    st.tuples(st.just("push"), st.integers(0, 10), st.floats(0, 10), st.booleans()),
+    st.tuples(st.just("pop")),
+    st.tuples(st.just("remove"), st.integers(0, 200)),
+    st.tuples(st.just("refresh"), st.floats(0, 2)),
+), max_size=120)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=ops, after_ms=st.one_of(st.none(), st.floats(0, 3000)), split=st.booleans())
+def test_order_is_the_spec_comparator(ops, after_ms, split):
+    levels = THREE if split else (LevelConfig("all"),)
+    levels = tuple(LevelConfig(lv.name, lv.priorities) for lv in levels)  # no caps here
+    q = AdmissionQueue(QueueConfig(levels=levels, urgent_after_ms=after_ms, urgent_slack_ms=None))
+    model: dict[str, Request] = {}
+    order: dict[str, int] = {}  # push order breaks exact ties
+    now, n = 0.0, 0
+    for op in ops:
+        if op[0] == "push":
+            r = req(n, op[1], op[2], urgent=op[3])
+            q.push(r)
+            model[r.request_id], order[r.request_id] = r, n
+            n += 1
+        elif op[0] == "pop" and model:
+            expect = min(model.values(), key=lambda r: (*spec_key(r, now, None), order[r.request_id]))
+            got = q.pop()
+            assert got is expect
+            del model[got.request_id]
+        elif op[0] == "remove":
+            rid = str(op[1])
+            assert (q.remove(rid) is not None) == (rid in model)
+            model.pop(rid, None)
+        elif op[0] == "refresh":
+            now += op[1]
+            assert q.refresh(now, no_service) == []
+            for r in model.values():  # the queue must have promoted exactly these
+                assert r.urgent == (spec_key(r, now, after_ms)[0] is False)
+        assert len(q) == len(model)
+        assert all(rid in q for rid in model)
+    expect = sorted(model.values(), key=lambda r: (*spec_key(r, now, None), order[r.request_id]))
+    assert list(q) == expect
+    assert [q.pop() for _ in range(len(q))] == expect
+    assert q.peek() is None
+
+
+def test_urgent_first_then_priority_then_arrival_across_levels():
+    q = AdmissionQueue(QueueConfig(levels=THREE, urgent_after_ms=500, urgent_slack_ms=None))
+    for rid, prio, t in [("lo-old", 1, 0.0), ("hi-late", 9, 0.8), ("hi-early", 9, 0.6), ("mid", 5, 0.7)]:
+        q.offer(req(rid, prio, t), now=t)
+    assert [r.request_id for r in q] == ["hi-early", "hi-late", "mid", "lo-old"]
+    q.refresh(0.9, no_service)  # lo-old has waited 900 ms > 500 ms
+    assert [r.request_id for r in q] == ["lo-old", "hi-early", "hi-late", "mid"]
+    assert q.stats(0.9).promotions == {"wait": 1, "slack": 0}
+    assert q.stats(0.9).levels["low"].urgent_length == 1
+
+
+# --- caps and overflow --------------------------------------------------------------------
+def test_reject_when_level_full_other_levels_unaffected():
+    q = AdmissionQueue(QueueConfig(levels=THREE, retry_after_s=2.0))
+    for i in range(3):
+        q.offer(req(f"h{i}", 9, i), now=i)
+    with pytest.raises(OverloadedError) as e:
+        q.offer(req("h3", 8, 3.0), now=3.0)
+    assert e.value.level == "high" and e.value.retry_after_s >= 2.0 and "full" in str(e.value)
+    assert "h3" not in q and len(q) == 3
+    q.offer(req("lo", 0, 3.0), now=3.0)  # the low level has room
+    assert q.lengths_by_level() == {"high": 3, "normal": 0, "low": 1}
+    assert q.stats(3.0).levels["high"].rejected == 1 and q.stats(3.0).rejected == 1
+    q.pop()
+    q.offer(req("h4", 10, 4.0), now=4.0)  # room again after one left
+
+
+def test_drop_oldest_returns_the_oldest_with_a_clear_error():
+    q = AdmissionQueue(QueueConfig(levels=THREE))
+    for i, t in enumerate([0.3, 0.1, 0.2]):
+        q.offer(req(f"n{i}", 5, t), now=0.3)
+    dropped = q.offer(req("n3", 4, 0.4), now=0.4)
+    assert dropped.request_id == "n1"  # arrived first
+    assert "dropped" in dropped.error and "normal" in dropped.error
+    assert "n1" not in q and "n3" in q and q.lengths_by_level()["normal"] == 3
+    assert q.stats(0.4).levels["normal"].dropped == 1
+
+
+def test_requeue_after_preemption_is_never_refused():
+    q = AdmissionQueue(QueueConfig.bounded(2))
+    q.offer(req("a"), now=0.0)
+    q.offer(req("b"), now=0.0)
+    q.push(req("preempted", arrival=-1.0))  # over the cap, on purpose
+    assert len(q) == 3 and q.peek().request_id == "preempted"
+    with pytest.raises(OverloadedError):
+        q.offer(req("c"), now=0.1)
+
+
+def test_engine_drop_oldest_ends_it_as_rejected_in_next_step(make_fake_engine):
+    eng = make_fake_engine(max_num_seqs=1,
+                           queue=QueueConfig(levels=(LevelConfig("all", capacity=2, overflow="drop_oldest"),)))
+    eng.add_request([1, 2, 3], P, now=0.0, request_id="running")
+    eng.step(now=0.0)
+    eng.add_request([1, 2, 3], P, now=0.01, request_id="old")
+    eng.add_request([1, 2, 3], P, now=0.02, request_id="mid")
+    eng.add_request([1, 2, 3], P, now=0.03, request_id="new")
+    outs = {o.request_id: o for o in eng.step(now=0.03)}
+    assert outs["old"].finished and outs["old"].finish_reason == "rejected"
+    assert "dropped" in outs["old"].error and outs["old"].token_ids == []
+    assert "mid" in eng.scheduler.waiting and "new" in eng.scheduler.waiting
+    done = {}
+    while eng.has_unfinished:
+        done.update({o.request_id: o for o in eng.step(now=eng.clock.now()) if o.finished})
+        eng.clock.advance(0.01)
+    assert {r: o.finish_reason for r, o in done.items()} == {"running": "length", "mid": "length",
+                                                           "new": "length"}
+
+
+def test_engine_reject_raises_and_leaves_nothing_behind(make_fake_engine):
+    eng = make_fake_engine(queue=QueueConfig.bounded(1))
+    eng.add_request([1, 2], P, now=0.0, request_id="a")
+    with pytest.raises(OverloadedError) as e:
+        eng.add_request([1, 2], P, now=0.0, request_id="b")
+    assert e.value.retry_after_s >= 1.0
+    assert "b" not in eng.scheduler.requests
+    eng.abort("a", now=0.0)
+    assert [o.finish_reason for o in eng.step(now=0.0)] == ["abort"]
+
+
+# --- urgent lane --------------------------------------------------------------------------
+def test_promotion_by_wait_only_after_threshold():
+    q = AdmissionQueue(QueueConfig(urgent_after_ms=100, urgent_slack_ms=None))
+    q.offer(req("low", 0, 0.0), now=0.0)
+    q.offer(req("high", 10, 0.05), now=0.05)
+    q.refresh(0.1, no_service)  # waited exactly 100 ms: not yet
+    assert q.peek().request_id == "high"
+    q.refresh(0.1001, no_service)
+    assert q.peek().request_id == "low" and q.peek().urgent
+    q.refresh(0.2, no_service)  # high also waited > 100 ms now: both urgent, priority decides
+    assert [r.request_id for r in q] == ["high", "low"]
+    assert q.stats(0.2).promotions["wait"] == 2
+
+
+def test_promotion_by_slack_and_hard_doom():
+    q = AdmissionQueue(QueueConfig(urgent_slack_ms=50))
+    service = {"soft": 0.2, "hard": 0.2, "free": 0.0}
+    q.offer(req("free", 10, 0.0), now=0.0)
+    q.offer(req("soft", 1, 0.0, deadline_ms=1000, deadline_kind="soft"), now=0.0)
+    hard = req("hard", 1, 0.0, deadline_ms=1100, deadline_kind="hard")
+    q.offer(hard, now=0.0)
+    svc = lambda r: service[r.request_id]  # noqa: E731
+    assert q.refresh(0.5, svc) == [] and q.peek().request_id == "free"
+    # soft: slack = 1.0 - 0.76 - 0.2 = 40 ms <= 50 ms; hard: slack 140 ms
+    assert q.refresh(0.76, svc) == []
+    assert [r.request_id for r in q] == ["soft", "free", "hard"]
+    assert q.stats(0.76).promotions == {"wait": 0, "slack": 1}
+    service["hard"] = 0.5  # a slower prediction now: noticed at the next looked-at time
+    assert q.refresh(0.86, svc) == [hard]
+    q.remove("hard")
+    assert q.refresh(5.0, svc) == []  # soft requests are never doomed in the queue
+
+
+def test_remove_by_id():
+    q = AdmissionQueue()
+    for i in range(5):
+        q.push(req(i, prio=i))
+    assert q.remove("3").request_id == "3" and q.remove("3") is None and q.remove("nope") is None
+    assert "3" not in q and len(q) == 4
+    assert [r.request_id for r in q] == ["4", "2", "1", "0"]
+    assert [q.pop().request_id for _ in range(4)] == ["4", "2", "1", "0"]
+    with pytest.raises(IndexError):
+        q.pop()
+
+
+def test_hundred_thousand_requests_scale():
+    """Not timed: an O(n) step inside push/pop/remove/refresh would make this O(n^2) and hang."""
+    rng = random.Random(0)
+    q = AdmissionQueue(QueueConfig(levels=tuple(LevelConfig(lv.name, lv.priorities) for lv in THREE),
+                                   urgent_after_ms=1000, urgent_slack_ms=20))
+    n = 100_000
+    for i in range(n):
+        dl = rng.choice([None, rng.uniform(100, 5000)])
+        q.offer(req(i, rng.randint(0, 10), i * 1e-4, deadline_ms=dl, deadline_kind="soft"), now=i * 1e-4)
+    for i in rng.sample(range(n), n // 10):
+        q.remove(str(i))
+    now, out = 10.0, []
+    while q:
+        q.refresh(now, no_service)
+        for _ in range(1000):
+            if q:
+                out.append(q.pop())
+        now += 0.05
+    assert len(out) == n - n // 10
+    assert len(q._heap) <= 2 * len(q) + 1024 and len(q._checks) <= 2 * len(q) + 1024
+    keys = [(not r.urgent, -r.priority, r.arrival_time) for r in out[:1000]]
+    assert keys == sorted(keys)
+
+
+# --- config, flags, metrics ---------------------------------------------------------------
+def test_config_validation_and_from_dict():
+    with pytest.raises(ConfigError, match="priority 5"):
+        QueueConfig(levels=(LevelConfig("a", (0, 5)), LevelConfig("b", tuple(range(5, 11)))))
+    with pytest.raises(ConfigError, match="no level takes"):
+        QueueConfig(levels=(LevelConfig("a", (0, 1)),))
+    with pytest.raises(ConfigError, match="overflow"):
+        LevelConfig("a", overflow="maybe")
+    cfg = QueueConfig.from_dict({"queue": {"urgent_after_ms": 200, "levels": {
+        "high": {"priorities": "7-10", "capacity": 5000, "deadline_ms": 200},
+        "low": {"priorities": [0, 1, 2, 3, 4, 5, 6], "overflow": "drop_oldest", "deadline_kind": "soft"}}}})
+    assert [lv.name for lv in cfg.levels] == ["high", "low"] and cfg.levels[0].priorities == (7, 8, 9, 10)
+    with pytest.raises(ConfigError, match="unknown"):
+        QueueConfig.from_dict({"levels": [{"name": "x", "cap": 3}]})
+    q = AdmissionQueue(cfg)
+    r = req("x", 8)
+    q.classify(r)
+    assert (r.level, r.deadline_ms, r.deadline_kind) == ("high", 200, "hard")
+    r = req("y", 2, deadline_ms=50)
+    q.classify(r)
+    assert (r.level, r.deadline_ms, r.deadline_kind) == ("low", 50, "soft")
+
+
+def parse(argv):
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    return engine_config(p.parse_args(argv))
+
+
+def test_cli_flags(tmp_path):
+    assert parse([]).queue == QueueConfig()
+    a = parse(["--queue-capacity", "7"])
+    lv = a.queue.levels
+    assert len(lv) == 1 and lv[0].capacity == 7 and lv[0].overflow == "reject"
+    f = tmp_path / "q.yaml"
+    f.write_text("levels:\n  - {name: hi, priorities: 6-10, capacity: 10}\n"
+                 "  - {name: lo, priorities: 0-5, overflow: drop_oldest, capacity: 20}\n")
+    cfg = parse(["--queue-config", str(f)]).queue
+    assert [(lv.name, lv.capacity, lv.overflow) for lv in cfg.levels] == [("hi", 10, "reject"),
+                                                                         ("lo", 20, "drop_oldest")]
+    with pytest.raises(ConfigError):
+        parse(["--queue-config", str(f), "--queue-capacity", "3"])
+
+
+def test_wait_metrics_through_engine(make_fake_engine):
+    eng = make_fake_engine(max_num_seqs=1)
+    for i in range(4):
+        eng.add_request([1, 2, 3], SamplingParams(max_tokens=2), now=0.0, request_id=f"r{i}")
+    assert eng.scheduler.waiting.lengths_by_level() == {"default": 4}
+    t = 0.0
+    while eng.has_unfinished:
+        eng.step(now=t)
+        t += 0.01
+    s = eng.queue_stats(t)
+    # each request holds the one seat for 2 steps: waits 0, 20, 40, 60 ms
+    assert s.levels["default"].wait_p50_ms == pytest.approx(20) and s.wait_p99_ms == pytest.approx(60)
+    assert s.finished == 4 and s.timeout_rate == 0.0 and s.length == 0

@@ -1,0 +1,70 @@
+"""AsyncEngine without a model (the fake executor): the background loop streams outputs to
+asyncio, passes add errors back to the caller, aborts, and survives a failing step. The
+conftest leak check then proves every KV block came back."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from conftest import FakeExecutor
+
+from batchserve.engine.async_engine import AsyncEngine
+from batchserve.request import RequestError, SamplingParams
+
+
+class SlowFlakyExecutor(FakeExecutor):
+    """1 ms per step (so an abort can land mid-request); a step holding request "boom" raises."""
+
+    def execute(self, batch):
+        time.sleep(0.001)
+        if any(s.request_id == "boom" for s in batch.seqs):
+            raise RuntimeError("injected fault")
+        return super().execute(batch)
+
+
+def test_async_engine_loop(make_fake_engine) -> None:
+    engine = make_fake_engine(num_blocks=64, block_size=4, executor=SlowFlakyExecutor(64))
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    steps: list = []
+    finished: list = []
+
+    async def scenario() -> None:
+        ae = AsyncEngine(engine, on_step=steps.append, on_finish=finished.append)
+        ae.start()
+        while not ae.ready:
+            await asyncio.sleep(0.001)
+        try:
+            out = await (await ae.add("a", params, prompt=[1, 2, 3])).collect()
+            assert (out.finish_reason, len(out.token_ids), out.prompt_token_ids) == ("length", 5, [1, 2, 3])
+
+            with pytest.raises(RequestError) as e:  # 1000 tokens cannot fit 64 blocks of 4
+                await ae.add("big", SamplingParams(max_tokens=1000), prompt=[1, 2, 3])
+            assert e.value.param == "max_tokens"
+
+            boom, ok = await ae.add("boom", params, prompt=[4, 5]), await ae.add("ok", params, prompt=[6])
+            out = await boom.collect()
+            assert out.finish_reason == "error" and "injected fault" in out.error
+            out = await ok.collect()  # shared the failed step (error) or ran after it (length)
+            assert out.finish_reason in ("error", "length")
+            out = await (await ae.add("after", params, prompt=[7])).collect()
+            assert out.finish_reason == "length"  # the engine kept serving
+
+            long = await ae.add("long", SamplingParams(max_tokens=200, ignore_eos=True), prompt=[1, 2, 3])
+            first = await long.next()
+            assert not first.finished
+            ae.abort("long")
+            out = await long.collect()
+            assert out.finish_reason == "abort" and len(out.token_ids) < 200
+
+            auto = await ae.add("auto", SamplingParams(max_tokens=1, ignore_eos=True), prompt=[1] * 10,
+                                auto_max_tokens=True)
+            out = await auto.collect()
+            assert len(out.token_ids) == 64 * 4 - 10  # the room left in the KV cache
+            assert await ae.call(lambda eng: eng.kv.num_free_blocks) == 64
+        finally:
+            await asyncio.to_thread(ae.shutdown)
+
+    asyncio.run(scenario())
+    assert {o.request_id for o in finished} == {"a", "boom", "ok", "after", "long", "auto"}
+    assert steps and all(s.num_seqs >= 1 for s in steps)

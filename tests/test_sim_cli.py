@@ -1,0 +1,111 @@
+"""`batchserve simulate`: bench's report files, byte-identical per seed; sweeps; the seed's
+scenarios at a small size; and a small live-vs-simulated fidelity check on a tiny model."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from batchserve.cli import main
+from batchserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from batchserve.scenarios import SCENARIOS, ScenarioUnavailable, run_scenario
+
+
+def _files(d: str) -> dict[str, bytes]:
+    return {n: open(os.path.join(d, n), "rb").read() for n in sorted(os.listdir(d))}
+
+
+def test_simulate_writes_the_bench_report_identically_per_seed(tmp_path, capsys) -> None:
+    args = ["simulate", "--workload", "chat", "--scale", "0.2", "--requests", "150", "--rate", "20",
+            "--policy", "continuous", "--hardware", "h100", "--seed", "3"]
+    assert main(args + ["--out", str(tmp_path / "a")]) == 0
+    out_a = capsys.readouterr().out
+    assert main(args + ["--out", str(tmp_path / "c")]) == 0
+    out_c = capsys.readouterr().out
+    a, c = _files(str(tmp_path / "a")), _files(str(tmp_path / "c"))
+    assert {"summary.json", "records_r20.jsonl", "timeline_r20.json", "table.md", "latency_cdf_r20.png",
+            "timeline_r20.png", "sweep.png"} <= set(a)
+    for name, data in a.items():
+        if name.endswith(".png"):
+            assert data[:8] == b"\x89PNG\r\n\x1a\n"
+        else:
+            assert data == c[name], name  # byte-identical for the same seed
+    assert out_a.split("requests 150")[1] == out_c.split("requests 150")[1]
+    run = json.load(open(tmp_path / "a" / "summary.json"))["runs"][0]["summary"]
+    assert run["n_ok"] == 150 and run["throughput_rps"] > 0
+    records = [json.loads(x) for x in a["records_r20.jsonl"].decode().splitlines()]
+    assert len(records) == 150 and all(r["finish_reason"] == "length" for r in records)
+
+
+def test_sweep_finds_the_best_setting_under_the_slo(capsys) -> None:
+    base = ["simulate", "--workload", "chat", "--requests", "200", "--slo-ms", "8000"]
+    assert main(base + ["--sweep", "rate=2,8,400"]) == 0
+    table = capsys.readouterr().out
+    rows = [line for line in table.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [r.split("|")[1].strip() for r in rows] == ["2", "8", "400"]
+    assert "no |" in rows[2]  # 400 req/s: everything queued at once, P99 far past 8 s
+    assert "best rate: 8" in table
+    assert main(base + ["--rate", "30", "--policy", "static", "--sweep", "max-batch=2,32"]) == 0
+    assert "| max_batch |" in capsys.readouterr().out
+
+
+def test_simulate_on_a_profile(tmp_path, capsys) -> None:
+    coef = {"const": 0.003, "prefill_token": 2e-5, "decode_seq": 1e-4, "decode_ktoken": 1e-4, "prefill_mpair": 0.0}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"fit": {"coef": coef, "context_len": 128}, "max_model_len": 2048,
+                                "num_blocks": 500, "kv_bytes_per_token": 4096}))
+    assert main(["simulate", "--profile", str(path), "--requests", "40", "--rate", "5", "--scale", "0.2"]) == 0
+    out = capsys.readouterr()
+    assert "ok 40" in out.out and "profiled" in out.out and "500 KV blocks" in out.err
+
+
+def test_bad_flags_fail_clearly(capsys) -> None:
+    assert main(["simulate", "--sweep", "bogus=1,2"]) == 2
+    assert "--sweep" in capsys.readouterr().err
+    assert main(["simulate", "--hardware", "h100", "--profile", "x.json"]) == 2
+    assert main(["simulate", "--model", "no-such-model"]) == 2
+
+
+def test_every_scenario_runs_small_and_prints_the_seed_next_to_the_simulation() -> None:
+    text = run_scenario("all", requests=80, seed=1)
+    for name in SCENARIOS:
+        assert f"## {name}:" in text
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "| metric |" not in line]
+    seed_rows = [r for r in rows if r.split("|")[2].strip() != "-"]
+    assert len(seed_rows) == 11  # every before/after figure the seed gives, next to the simulated pair
+    assert all(r.rsplit("|", 2)[1].strip() in ("agrees", "DISAGREES", "unchanged") for r in seed_rows)
+    assert "| 450 | 120 |" in text and "| 2,500 | 800 |" in text
+
+
+def test_scenario_names_a_missing_policy(monkeypatch, capsys) -> None:
+    from batchserve.core import policies
+
+    monkeypatch.delitem(policies.POLICIES, "cascade")
+    with pytest.raises(ScenarioUnavailable, match="cascade policy"):
+        run_scenario("static-vs-continuous", requests=40)
+    assert main(["simulate", "--scenario", "static-vs-continuous"]) == 2
+    assert "needs the cascade policy" in capsys.readouterr().err
+
+
+def test_fidelity_on_a_tiny_model(tmp_path) -> None:
+    """The CI-sized version of `python -m batchserve.sim.fidelity`: a tiny random model is
+    profiled, then the same workload runs live (wall clock) and simulated, calibrated on the
+    live run itself (a shared CI machine's speed drifts between runs). Throughput must agree
+    within 10%; P50 latency only within a factor of two, because a ~1 ms model step on a
+    shared box is at the mercy of the OS scheduler (the full-size run on a quiet machine
+    holds the issue's 10% / 15%)."""
+    from batchserve.profile import run_profile, save
+    from batchserve.sim.fidelity import run_fidelity
+
+    model = {"vocab_size": 512, "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024}
+    cfg = EngineConfig(model=ModelConfig(model="dummy", dummy_config=model, num_threads=1),
+                       cache=CacheConfig(kv_cache_gb=0.02), scheduler=SchedulerConfig(max_num_seqs=16))
+    path = str(tmp_path / "profile.json")
+    save(run_profile(cfg, quick=True), path)
+    rows = run_fidelity(cfg, path, 30, [10.0, 25.0], seed=2, scale=0.1, same_run=True)
+    for r in rows:
+        assert r["rel_error"]["throughput_rps"] <= 0.10, r
+        ratio = r["sim"]["e2e_p50_ms"] / r["live"]["e2e_p50_ms"]
+        assert 0.5 <= ratio <= 2.0, r
