@@ -8,6 +8,7 @@ from batchserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from batchserve.core.policies import POLICIES, make_policy
 from batchserve.engine.clock import SimClock
 from batchserve.engine.engine import LLMEngine
+from batchserve.request import SamplingParams
 from tests.conftest import FakeExecutor
 from tests.policy_helpers import drive, expected_tokens, mixed_workload, req
 
@@ -193,3 +194,18 @@ def test_prefix_caching_same_outputs_and_hits(policy):
     assert results[True][0] == results[False][0]
     assert results[False][2] == 0.0 and results[True][2] > 0.5
     assert results[True][1] < results[False][1]
+
+
+def test_chunked_starts_a_prompt_only_when_all_its_blocks_fit(make_fake_engine):
+    # 6 prompts of 40 tokens (10 blocks each) in a 24-block pool, chunks of 8 tokens: starting
+    # every prompt on its first chunk alone would make them preempt each other repeatedly.
+    eng = make_fake_engine(num_blocks=24, block_size=4, policy="chunked", chunk_size=8,
+                           max_num_batched_tokens=64)
+    for i in range(6):
+        eng.add_request(list(range(1, 41)), SamplingParams(max_tokens=2), now=0.0, request_id=f"r{i}")
+    step = 0
+    while eng.has_unfinished:
+        eng.step(now=float(step))
+        step += 1
+        assert len(eng.scheduler.running) <= 2
+    assert eng.scheduler.num_preemptions == 0

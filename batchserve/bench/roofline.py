@@ -47,27 +47,28 @@ class Machine:
 
 
 def measure_machine(cfg: LlamaConfig, rows: tuple[int, ...] = (1, 8, 32, 64, 128, 512), reps: int = 5) -> Machine:
-    """Matmul rate at the model's real shapes (all layers' matrices, M rows) and memory bandwidth."""
+    """Matmul rate at the model's real shapes and footprint (every layer's four matrices,
+    distinct tensors, so the weights stream from memory as in a real step) for M rows, and
+    memory bandwidth (a read of a buffer far larger than any cache)."""
     shapes = layer_shapes(cfg)
-    weights = [torch.randn(o, i) for i, o in shapes]
+    weights = [[torch.randn(o, i) for i, o in shapes] for _ in range(cfg.num_layers)]
     rates: dict[int, float] = {}
     with torch.inference_mode():
         for m in rows:
             xs = [torch.randn(m, i) for i, _ in shapes]
 
             def run() -> None:
-                for _ in range(4):  # several layers' worth so caches do not flatter the weights
-                    for x, w in zip(xs, weights):
+                for layer in weights:
+                    for x, w in zip(xs, layer):
                         F.linear(x, w)
 
             t = _median_time(run, reps)
-            flops = 4 * sum(2 * m * i * o for i, o in shapes)
+            flops = cfg.num_layers * sum(2 * m * i * o for i, o in shapes)
             rates[m] = flops / t / 1e9
-        big = torch.empty(64 * 2**20)  # 256 MiB, far beyond any cache
-        big.fill_(1.0)
-        dst = torch.empty_like(big)
-        t = _median_time(lambda: dst.copy_(big), reps)
-    bw = 2 * big.numel() * 4 / t / 1e9  # copy reads and writes every byte
+        del weights
+        big = torch.rand(128 * 2**20)  # 512 MiB of distinct pages (a constant fill could be page-merged)
+        t = _median_time(lambda: big.sum(), reps)
+    bw = big.numel() * 4 / t / 1e9
     return Machine(rates, max(rates.values()), bw, torch.get_num_threads())
 
 

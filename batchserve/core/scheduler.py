@@ -207,6 +207,11 @@ class Scheduler:
             budget -= n
         return budget
 
+    def prompt_blocks_owed(self) -> int:
+        """Blocks the running requests still need to finish their prompts (chunked prefill)."""
+        kv = self.kv
+        return sum(max(0, kv.num_blocks_needed(r.request_id, r.num_tokens)) for r in self.running)
+
     def admit(self, req: Request, n: int, now: float) -> ScheduledSeq | None:
         """Try to move the head-of-queue request into the running set with `n` tokens this step
         (after any cached prefix). None, with nothing changed, if its blocks don't fit."""
