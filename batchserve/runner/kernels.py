@@ -29,7 +29,7 @@ def _build() -> ModuleType | None:
         from torch.utils.cpp_extension import load
 
         src = os.path.join(os.path.dirname(__file__), "csrc", "paged_attention.cpp")
-        flags = ["-O3", "-march=native", "-fopenmp"]
+        flags = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"]
         return load(name="batchserve_paged_attention", sources=[src], extra_cflags=flags,
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # any toolchain problem means: use the PyTorch path
