@@ -7,7 +7,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8000
 ARGS   ?=
 
-.PHONY: install serve test bench demo clean
+.PHONY: install serve test bench bench-http demo clean
 
 install: $(STAMP)
 
@@ -29,8 +29,15 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
 
+# Benchmarks want a quiet machine (no build, test run or second server beside them).
 bench: $(STAMP)
 	$(PY) -m batchserve.bench.foundation --out BENCHMARKS.md $(ARGS)
+	$(PY) -m batchserve.bench.policies --out BENCHMARKS.md
+	$(PY) -m batchserve.sim.fidelity --requests 60 --scale 0.5 --out BENCHMARKS.md
+
+# Every policy served over HTTP on the standard workloads (long: about an hour here).
+bench-http: $(STAMP)
+	$(PY) -m batchserve.bench.standard --out-dir bench_out
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

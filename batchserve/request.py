@@ -81,6 +81,7 @@ class RequestStatus(enum.Enum):
 
 
 _S = RequestStatus
+_RUNNING, _WAITING, _PREEMPTED = _S.RUNNING, _S.WAITING, _S.PREEMPTED
 _TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
     _S.WAITING: frozenset({_S.RUNNING} | {s for s in _S if s.finished}),
     _S.RUNNING: frozenset({_S.PREEMPTED} | {s for s in _S if s.finished}),
@@ -172,4 +173,5 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return self.status.finished
+        s = self.status  # hot (several reads per request per step): identity, not Enum.__hash__
+        return s is not _RUNNING and s is not _WAITING and s is not _PREEMPTED

@@ -65,7 +65,8 @@ class StepOutput:
 @dataclass
 class RequestOutput:
     """What the caller sees after a step for one request: the new tokens (and text) plus,
-    once finished, the finish reason."""
+    once finished, the finish reason. `token_ids` is every output token so far: while the
+    request runs it is the engine's live list (it keeps growing), once finished a final copy."""
 
     request_id: str
     prompt_token_ids: list[int]

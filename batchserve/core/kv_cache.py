@@ -62,6 +62,9 @@ class KVCacheManager:
     # --- allocate / free ---------------------------------------------------------------
     def allocate(self, request_id: str, num_tokens: int) -> bool:
         """Grow the request's table to cover `num_tokens`. All or nothing: on False nothing changed."""
+        table = self._tables.get(request_id)
+        if table is not None and len(table) * self.block_size >= num_tokens:
+            return True  # the common decode step: its block is already there
         need = self.num_blocks_needed(request_id, num_tokens)
         if need > self.num_free_blocks:
             return False

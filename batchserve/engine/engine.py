@@ -181,11 +181,14 @@ class LLMEngine:
 
     def _output(self, req: Request, n_new: int, new_text: str) -> RequestOutput:
         st = self._detok.get(req.request_id)
+        done = req.finished
+        # While a request runs, token_ids is its live list (copying it every step would cost
+        # O(length) per token); once finished, a copy that no longer changes.
         return RequestOutput(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-            token_ids=list(req.output_token_ids),
-            new_token_ids=req.output_token_ids[-n_new:] if n_new else [], finished=req.finished,
-            finish_reason=req.status.value if req.finished else None,
+            token_ids=list(req.output_token_ids) if done else req.output_token_ids,
+            new_token_ids=req.output_token_ids[-n_new:] if n_new else [], finished=done,
+            finish_reason=req.status.value if done else None,
             text=st.text if st is not None else "", new_text=new_text, error=req.error,
             arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time,
             first_token_time=req.first_token_time,
