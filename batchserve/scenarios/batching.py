@@ -60,12 +60,10 @@ def mixed_granularity(requests: int | None, seed: int) -> ScenarioResult:
         "scenario gives the same 7B shape an 8,192-token context (step costs are unchanged)."]
     if sat_t.engine_stats["num_preemptions"] > sat_r.engine_stats["num_preemptions"]:
         notes.append(
-            f"At saturation the token-level run preempted {sat_t.engine_stats['num_preemptions']} times: the "
-            "chunked policy admits a prompt with blocks for its first chunk only, so with up to 128 long "
-            "prompts admitted the KV cache (~108k tokens here) runs out mid-prompt and requests are "
-            "recomputed again and again. That, not chunking, is why its throughput falls below request "
-            "level's (which reserves each member's whole prompt + output before the batch starts); the "
-            "seed's 1.6x assumes token-level admission respects memory.")
+            f"At saturation the token-level run preempted {sat_t.engine_stats['num_preemptions']} times: it "
+            "starts a prompt only when the free blocks cover the whole prompt, but not its output, so when "
+            "many admitted requests grow at once the cache (~108k tokens here) runs out and the least "
+            "important are recomputed; request level reserves each member's prompt + output up front.")
     return ScenarioResult(
         "mixed-granularity", "request level vs token level on a mixed load (S3, seed 4.3.3)",
         [f"mixed mix at the seed's sizes: code-gen 2,000 in / 500 out, summaries 5,000 / 300, chat 200 / 200, "
