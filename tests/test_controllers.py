@@ -69,8 +69,8 @@ def test_aimd_recovers_after_a_spike():
     assert steps == 19
 
 
-def test_aimd_holds_when_the_time_is_queueing():
-    assert aimd_batch_cap(16, p99_ms=3000.0, slo_ms=1000.0, service_p99_ms=400.0) == 16
+def test_aimd_grows_when_the_time_is_queueing():
+    assert aimd_batch_cap(16, p99_ms=3000.0, slo_ms=1000.0, service_p99_ms=400.0) == 17
     assert aimd_batch_cap(16, p99_ms=3000.0, slo_ms=1000.0, service_p99_ms=2000.0) == 12
 
 

@@ -62,14 +62,14 @@ def aimd_batch_cap(current: int, p99_ms: float, slo_ms: float, lo: int = 1, hi: 
 
     The batch size only controls the service part of the latency (launch to result). When
     `service_p99_ms` shows that part is under `service_share` of the P99, the time is spent
-    queueing, and a smaller batch would only lower throughput and lengthen the queue: the
-    cap then holds instead of falling (plain AIMD collapses to 1 under overload).
+    queueing: a smaller batch would only lower throughput and lengthen the queue (plain AIMD
+    collapses to 1 under overload), so the cap grows instead, to drain the queue faster.
     """
     if not 1 <= lo <= hi:
         raise ValueError(f"bad cap bounds [{lo}, {hi}]")
     if p99_ms >= high_water * slo_ms:
         queueing = service_p99_ms is not None and service_p99_ms < service_share * p99_ms
-        nxt = current if queueing else min(current - 1, math.floor(current * decrease))
+        nxt = current + increase if queueing else min(current - 1, math.floor(current * decrease))
     elif p99_ms < low_water * slo_ms:
         nxt = current + increase
     else:
