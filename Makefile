@@ -7,7 +7,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8000
 ARGS   ?=
 
-.PHONY: install serve test bench bench-http demo clean
+.PHONY: install serve test bench bench-engine bench-http demo clean
 
 install: $(STAMP)
 
@@ -30,14 +30,18 @@ test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
 
 # Benchmarks want a quiet machine (no build, test run or second server beside them).
-bench: $(STAMP)
+# In-process sections of BENCHMARKS.md (about 20 minutes here), then the HTTP comparison.
+bench: bench-engine bench-http
+
+bench-engine: $(STAMP)
 	$(PY) -m batchserve.bench.foundation --out BENCHMARKS.md $(ARGS)
 	$(PY) -m batchserve.bench.policies --out BENCHMARKS.md
 	$(PY) -m batchserve.sim.fidelity --requests 60 --scale 0.5 --out BENCHMARKS.md
 
-# Every policy served over HTTP on the standard workloads (long: about an hour here).
+# Every policy served over HTTP on the standard workloads: docs/bench/REPORT.md with the tables
+# and plots that BENCHMARKS.md links (about an hour here).
 bench-http: $(STAMP)
-	$(PY) -m batchserve.bench.standard --out-dir bench_out
+	$(PY) -m batchserve.bench.standard --out-dir docs/bench --max-duration 120
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
