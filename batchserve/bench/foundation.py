@@ -15,22 +15,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from batchserve.bench.roofline import decode_ceiling, measure_machine, prefill_ceiling
+from batchserve.bench.roofline import decode_ceiling, measure_machine, median_time, prefill_ceiling
 from batchserve.core.batch import ScheduledBatch, ScheduledSeq
 from batchserve.core.kv_cache import KVCacheManager
 from batchserve.request import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
-
-
-def _median(fn, reps: int) -> float:
-    fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return sorted(ts)[len(ts) // 2]
 
 
 def decode_batch(kv: KVCacheManager, batch: int, ctx: int) -> ScheduledBatch:
@@ -57,7 +47,7 @@ def linear_only(model, batch: int) -> float:
                 F.linear(xi, layer["w_down"])
             F.linear(x, model.lm_head)
 
-    return _median(run, 5)
+    return median_time(run, 5)
 
 
 def offline_workload(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:
@@ -134,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     kv = KVCacheManager(runner.num_blocks, runner.block_size)
     for b in [int(x) for x in a.batches.split(",")]:
         batch = decode_batch(kv, b, 128)
-        step = _median(lambda: runner.execute(batch), 5)
+        step = median_time(lambda: runner.execute(batch), 5)
         lin = linear_only(runner.model, b)
         ceil = decode_ceiling(cfg, mach, b, 128)
         lines.append(f"| {b} | {step * 1e3:.1f} | {lin * 1e3:.1f} | {step / lin:.2f} | {b / step:.0f} | "
@@ -147,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
             kv.allocate(f"p{i}", plen)
             seqs.append(ScheduledSeq(f"p{i}", list(range(200, 200 + plen)), 0, kv.block_table(f"p{i}"),
                                      True, GREEDY, 0))
-        t = _median(lambda: runner.execute(ScheduledBatch(seqs)), 3)
+        t = median_time(lambda: runner.execute(ScheduledBatch(seqs)), 3)
         rate, ceil = plen * nseq / t, prefill_ceiling(cfg, mach, plen)
         lines.append(f"\nPrefill {nseq} x {plen} tokens: {t * 1e3:.0f} ms, {rate:.0f} tok/s; ceiling "
                      f"{ceil:.0f} tok/s ({100 * rate / ceil:.0f}%).")

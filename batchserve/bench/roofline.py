@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from batchserve.runner.models.llama import LlamaConfig
 
 
-def _median_time(fn, reps: int) -> float:
+def median_time(fn, reps: int) -> float:
+    """Median wall time of `reps` calls, after one warm-up call."""
     fn()
     ts = []
     for _ in range(reps):
@@ -62,12 +63,12 @@ def measure_machine(cfg: LlamaConfig, rows: tuple[int, ...] = (1, 8, 32, 64, 128
                     for x, w in zip(xs, layer):
                         F.linear(x, w)
 
-            t = _median_time(run, reps)
+            t = median_time(run, reps)
             flops = cfg.num_layers * sum(2 * m * i * o for i, o in shapes)
             rates[m] = flops / t / 1e9
         del weights
         big = torch.rand(128 * 2**20)  # 512 MiB of distinct pages (a constant fill could be page-merged)
-        t = _median_time(lambda: big.sum(), reps)
+        t = median_time(lambda: big.sum(), reps)
     bw = big.numel() * 4 / t / 1e9
     return Machine(rates, max(rates.values()), bw, torch.get_num_threads())
 
