@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from batchserve.config import SchedulerConfig
 from batchserve.core.batch import ScheduledBatch, ScheduledSeq
 from batchserve.core.policies.base import Policy
 from batchserve.core.scheduler import is_decoding
@@ -19,10 +18,6 @@ if TYPE_CHECKING:
 
 class ChunkedPolicy(Policy):
     name = "chunked"
-
-    def __init__(self, config: SchedulerConfig | None = None) -> None:
-        super().__init__(config)
-        self.max_batch = self.config.max_num_seqs
 
     def schedule(self, sched: "Scheduler", now: float) -> ScheduledBatch:
         cfg = sched.config
