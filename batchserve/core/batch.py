@@ -43,7 +43,7 @@ class ScheduledBatch:
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.seqs)
+        return sum([len(s.token_ids) for s in self.seqs])
 
     @property
     def num_seqs(self) -> int:
@@ -66,7 +66,8 @@ class StepOutput:
 class RequestOutput:
     """What the caller sees after a step for one request: the new tokens (and text) plus,
     once finished, the finish reason. `token_ids` is every output token so far: while the
-    request runs it is the engine's live list (it keeps growing), once finished a final copy."""
+    request runs it is the engine's live list (it keeps growing), once finished a final copy.
+    The engine builds these positionally: keep the field order."""
 
     request_id: str
     prompt_token_ids: list[int]

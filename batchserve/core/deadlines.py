@@ -59,9 +59,7 @@ def check_deadlines(sched: "Scheduler", now: float) -> None:
     _watch_predictions(sched)
     for req in sched.waiting.refresh(now, lambda r: predicted_service(sched, r, joining=True)):
         _miss(sched, req, now, predicted_service(sched, req, joining=True))
-    for req in list(sched.running):
-        if req.deadline is None:
-            continue
+    for req in [r for r in sched.running if r.deadline_ms is not None]:
         s = predicted_service(sched, req)
         if req.hard_deadline:
             if now + s >= req.deadline:

@@ -51,7 +51,7 @@ class KVCacheManager:
     def num_blocks_needed(self, request_id: str, num_tokens: int) -> int:
         """Extra blocks the request needs so that its table covers `num_tokens` tokens."""
         have = len(self._tables.get(request_id, ()))
-        return max(0, self.blocks_for(num_tokens) - have)
+        return max(0, -(-num_tokens // self.block_size) - have)  # blocks_for, inlined
 
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
@@ -74,6 +74,14 @@ class KVCacheManager:
             self._ref[block] = 1
             table.append(block)
         return True
+
+    def grow(self, request_id: str, num_tokens: int) -> list[int] | None:
+        """`allocate`, answering with the request's block table (the live list), or None
+        when the blocks don't fit (nothing changed)."""
+        table = self._tables.get(request_id)
+        if table is not None and len(table) * self.block_size >= num_tokens:
+            return table
+        return self._tables[request_id] if self.allocate(request_id, num_tokens) else None
 
     def free(self, request_id: str) -> None:
         """Release every block of the request (finish, abort or preemption). Idempotent."""
@@ -146,6 +154,10 @@ class KVCacheManager:
                 self._by_hash[h] = block
                 self._hash_of[block] = h
 
+    def cached_hashes(self) -> frozenset[int]:
+        """The hash of every block the prefix cache holds (for prefix-aware routing)."""
+        return frozenset(self._by_hash)
+
     # --- invariants (tests) ------------------------------------------------------------
     def check_all_free(self) -> None:
         """Raise if any block is still referenced: the no-leak invariant."""
@@ -153,3 +165,14 @@ class KVCacheManager:
         if leaked or self._tables:
             raise AssertionError(f"KV leak: {len(leaked)} blocks referenced, tables for {list(self._tables)[:5]}")
         assert len(self._free) + len(self._evictable) == self.num_blocks
+
+
+def prefix_hashes(tokens: list[int], block_size: int) -> list[int]:
+    """The chain of block hashes prefix caching names `tokens`' full blocks by (the same that
+    match_prefix looks up), for a router that asks which replica holds a prompt's prefix."""
+    out: list[int] = []
+    parent = 0
+    for i in range((len(tokens) - 1) // block_size):
+        parent = hash((parent, tuple(tokens[i * block_size:(i + 1) * block_size])))
+        out.append(parent)
+    return out

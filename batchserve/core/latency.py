@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from itertools import repeat
+from operator import mul, sub
 from typing import Protocol
 
 
@@ -36,22 +38,27 @@ class OnlineLinearModel:
     def __init__(self, window: int = 256, min_samples: int = 8) -> None:
         self.window = window
         self.min_samples = min_samples
-        self._obs: deque[tuple[float, float, float]] = deque(maxlen=window)
+        # the observed steps, one column each: tokens, sequences, seconds
+        self._x: deque[float] = deque(maxlen=window)
+        self._s: deque[float] = deque(maxlen=window)
+        self._y: deque[float] = deque(maxlen=window)
         self._coef: tuple[float, float, float] | None = None  # (c, a, b); None: refit on next use
 
     @property
     def ready(self) -> bool:
         """Enough steps seen to predict; before that every prediction is 0.0."""
-        return len(self._obs) >= self.min_samples
+        return len(self._y) >= self.min_samples
 
     @property
     def num_samples(self) -> int:
-        return len(self._obs)
+        return len(self._y)
 
     def observe(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
         if num_seqs <= 0 or seconds < 0 or not math.isfinite(seconds):
             return
-        self._obs.append((float(num_tokens), float(num_seqs), float(seconds)))
+        self._x.append(float(num_tokens))
+        self._s.append(float(num_seqs))
+        self._y.append(float(seconds))
         self._coef = None
 
     def coefficients(self) -> tuple[float, float, float]:
@@ -67,17 +74,21 @@ class OnlineLinearModel:
         return max(0.0, c + a * num_tokens + b * num_seqs)
 
     def _fit(self) -> tuple[float, float, float]:
-        n = len(self._obs)
+        xs, ss, ys = self._x, self._s, self._y
+        n = len(ys)
         if n == 0:
             return (0.0, 0.0, 0.0)
-        mx = sum(o[0] for o in self._obs) / n
-        ms = sum(o[1] for o in self._obs) / n
-        my = sum(o[2] for o in self._obs) / n
-        sxx = sum((o[0] - mx) ** 2 for o in self._obs)
-        sss = sum((o[1] - ms) ** 2 for o in self._obs)
-        sxs = sum((o[0] - mx) * (o[1] - ms) for o in self._obs)
-        sxy = sum((o[0] - mx) * (o[2] - my) for o in self._obs)
-        ssy = sum((o[1] - ms) * (o[2] - my) for o in self._obs)
+        # Two-pass centred sums, e.g. sxx = sum((x - mx) ** 2 for x in xs), with the loops
+        # run by map (this refit runs every step): the same operations in the same order.
+        mx, ms, my = sum(xs) / n, sum(ss) / n, sum(ys) / n
+        dx = list(map(sub, xs, repeat(mx, n)))
+        ds = list(map(sub, ss, repeat(ms, n)))
+        dy = list(map(sub, ys, repeat(my, n)))
+        sxx = sum(map(pow, dx, repeat(2, n)))
+        sss = sum(map(pow, ds, repeat(2, n)))
+        sxs = sum(map(mul, dx, ds))
+        sxy = sum(map(mul, dx, dy))
+        ssy = sum(map(mul, ds, dy))
         ridge = 1e-9 * (sxx + sss) + 1e-12
         a, b = _solve2(sxx + ridge, sxs, sss + ridge, sxy, ssy)
         if a < 0 <= b:  # refit with the negative slope pinned at zero

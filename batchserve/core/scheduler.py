@@ -19,6 +19,8 @@ from batchserve.core.latency import LatencyModel, OnlineLinearModel
 from batchserve.core.queue import AdmissionQueue
 from batchserve.request import OverloadedError, Request, RequestStatus
 
+_RUNNING = RequestStatus.RUNNING
+
 if TYPE_CHECKING:
     from batchserve.core.policies.base import Policy
 
@@ -26,14 +28,19 @@ if TYPE_CHECKING:
 def build_seq(req: Request, n: int, block_table: list[int]) -> ScheduledSeq:
     """The request's next `n` tokens, from its computed count on."""
     start = req.num_computed_tokens
-    return ScheduledSeq(request_id=req.request_id, token_ids=req.tokens_slice(start, start + n),
-                        start_pos=start, block_table=block_table, sample=start + n == req.num_tokens,
-                        params=req.params, output_index=req.num_output_tokens)
+    return ScheduledSeq(req.request_id, req.tokens_slice(start, start + n), start, block_table,
+                        start + n == req.num_tokens, req.params, req.num_output_tokens)
+
+
+def priority_order(req: Request) -> tuple[int, float]:
+    """Sort key of the running set: higher priority first, then earlier arrival."""
+    return (-req.priority, req.arrival_time)
 
 
 def is_decoding(req: Request) -> bool:
     """The request's KV is complete but for its newest token: its next step is a decode."""
-    return req.num_computed_tokens > 0 and req.num_tokens - req.num_computed_tokens == 1
+    c = req.num_computed_tokens  # (num_tokens spelled out: policies call this per request per step)
+    return c > 0 and len(req.prompt_token_ids) + len(req.output_token_ids) - c == 1
 
 
 class Scheduler:
@@ -46,6 +53,8 @@ class Scheduler:
         self.latency: LatencyModel = latency or OnlineLinearModel()  # the engine feeds it step times
         self.prediction_floor = 0.0  # lowest step prediction the queue's deadline looks rely on
         self.running: list[Request] = []
+        self._order: list[Request] = []  # `running` sorted by priority_order (running_order())
+        self._order_of: list[Request] = []  # the `running` that _order was sorted from
         self.requests: dict[str, Request] = {}
         self.finished_now: list[Request] = []  # finished outside update() since last drain
         self.num_preemptions = 0
@@ -72,6 +81,22 @@ class Scheduler:
         if dropped is not None:
             self.finish(dropped, RequestStatus.FINISHED_REJECTED, now)
         self.policy.on_add(self, req, now)
+
+    def adopt(self, req: Request, num_computed: int, now: float) -> bool:
+        """Take in a request whose first `num_computed` tokens' KV another worker computed
+        (disaggregated prefill): it joins the running set directly, its blocks allocated for
+        the caller to fill. False, with nothing changed, when the blocks don't fit."""
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        if not self.kv.allocate(req.request_id, num_computed):
+            return False
+        self.waiting.classify(req)
+        self.requests[req.request_id] = req
+        req.num_computed_tokens = num_computed
+        req.set_status(RequestStatus.RUNNING)
+        req.first_scheduled_time = now
+        self.running.append(req)
+        return True
 
     def abort(self, request_id: str, now: float) -> Request | None:
         """End a request wherever it is; its blocks are freed at once."""
@@ -120,26 +145,31 @@ class Scheduler:
         """Apply a step's results: advance counters, append sampled tokens, finish requests
         that hit EOS / a stop token / their length. Returns every request that changed."""
         changed: list[Request] = []
+        requests, sampled = self.requests, output.sampled
+        commit = self.kv.commit if self.kv.prefix_caching else None  # a no-op without prefix caching
         for seq in batch.seqs:
-            req = self.requests.get(seq.request_id)
-            if req is None or req.status != RequestStatus.RUNNING:
+            rid = seq.request_id
+            req = requests.get(rid)
+            if req is None or req.status is not _RUNNING:
                 continue  # aborted or finished while the step ran
-            if deadlines.missed_during_step(req, now):
+            if req.deadline_ms is not None and deadlines.missed_during_step(req, now):
                 deadlines.end_hard_miss(self, req, now)  # a result past a hard deadline is a failure
                 continue
-            req.num_computed_tokens += seq.num_tokens
-            self.kv.commit(req)
+            req.num_computed_tokens += len(seq.token_ids)
+            if commit is not None:
+                commit(req)
             if not seq.sample:
                 continue
-            tok = output.sampled[seq.request_id]
-            req.output_token_ids.append(tok)
+            tok = sampled[rid]
+            out_ids = req.output_token_ids
+            out_ids.append(tok)
             if req.first_token_time is None:
                 req.first_token_time = now
             changed.append(req)
             p = req.params
             if (not p.ignore_eos and tok == req.eos_token_id) or tok in p.stop_token_ids:
                 self.finish(req, RequestStatus.FINISHED_STOPPED, now)
-            elif req.num_output_tokens >= req.max_tokens:
+            elif len(out_ids) >= req.max_tokens:
                 self.finish(req, deadlines.length_status(req), now)
         self.policy.on_update(self, batch, output, now)
         return changed
@@ -184,33 +214,55 @@ class Scheduler:
         token budget left. `select` limits which requests are considered (checked as each
         comes up); requests already in `out` are skipped and never chosen as victims, so a
         policy may call this more than once per step (e.g. decodes first, then prompt chunks)."""
-        scheduled = {s.request_id for s in out}
-        for req in sorted(self.running, key=lambda r: (-r.priority, r.arrival_time)):
-            if req.status != RequestStatus.RUNNING or req.request_id in scheduled:
+        earlier = {s.request_id for s in out}  # given tokens by an earlier call this step
+        grow = self.kv.grow
+        for req in self.running_order():
+            rid = req.request_id
+            if req.status is not _RUNNING or rid in earlier:
                 continue  # preempted earlier in this loop, or already given tokens
             if select is not None and not select(req):
                 continue
             if budget <= 0:
                 break
-            n = min(req.num_tokens - req.num_computed_tokens, budget, chunk or budget)
+            start = req.num_computed_tokens
+            prompt, out_ids = req.prompt_token_ids, req.output_token_ids
+            total = len(prompt) + len(out_ids)
+            n = min(total - start, budget)
+            if chunk and chunk < n:
+                n = chunk
             if n <= 0:
                 continue
-            while not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
-                victim = self.pick_victim(scheduled | {req.request_id}) or req
+            table = grow(rid, start + n)
+            while table is None:  # never preempt a request already in `out`
+                victim = self.pick_victim({s.request_id for s in out} | {rid}) or req
                 self.preempt(victim)
                 if victim is req:
                     break
-            if req.status != RequestStatus.RUNNING:
-                continue
-            out.append(self.make_seq(req, n))
-            scheduled.add(req.request_id)
+                table = grow(rid, start + n)
+            if table is None:
+                continue  # preempted itself
+            # build_seq, inlined (this loop runs for every running request every step)
+            end = start + n
+            p = len(prompt)
+            toks = out_ids[start - p:end - p] if start >= p else req.tokens_slice(start, end)
+            out.append(ScheduledSeq(rid, toks, start, table, end == total, req.params, len(out_ids)))
             budget -= n
         return budget
+
+    def running_order(self) -> list[Request]:
+        """`running` sorted by priority_order (stable: ties keep their running-set order).
+        Sorted again only when `running` has changed since the last call; priority and
+        arrival_time never change while a request runs. Read-only for the caller."""
+        run = self.running
+        if run != self._order_of:  # element identity (Request compares by identity): O(n) in C
+            self._order = sorted(run, key=priority_order)
+            self._order_of = run.copy()
+        return self._order
 
     def prompt_blocks_owed(self) -> int:
         """Blocks the running requests still need to finish their prompts (chunked prefill)."""
         kv = self.kv
-        return sum(max(0, kv.num_blocks_needed(r.request_id, r.num_tokens)) for r in self.running)
+        return sum([kv.num_blocks_needed(r.request_id, r.num_tokens) for r in self.running])
 
     def admit(self, req: Request, n: int, now: float) -> ScheduledSeq | None:
         """Try to move the head-of-queue request into the running set with `n` tokens this step

@@ -117,6 +117,10 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.executor.max_model_len if self.engine is not None else 0
+
     def now(self) -> float:
         """The engine clock (monotonic seconds), readable from any thread."""
         return self.engine.clock.now() if self.engine is not None else time.monotonic()

@@ -25,6 +25,23 @@ class Executor(Protocol):
     def execute(self, batch: ScheduledBatch) -> StepOutput: ...
 
 
+def tokenize(tokenizer: Any | None, prompt: str | list[int] | None = None,
+             messages: list[dict] | None = None) -> list[int]:
+    """A prompt (text or token ids) or chat messages (through the chat template) as token ids."""
+    if messages is not None:
+        if tokenizer is None:
+            raise RequestError("messages", "this model has no tokenizer / chat template")
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+    if isinstance(prompt, list):
+        return prompt
+    if not isinstance(prompt, str):
+        raise RequestError("prompt", "must be a string or a list of token ids")
+    if tokenizer is None:
+        raise RequestError("prompt", "this model has no tokenizer; pass token ids")
+    return tokenizer.encode(prompt, add_special_tokens=False)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, executor: Executor, tokenizer: Any | None = None,
                  eos_token_id: int | None = None, clock: Any | None = None) -> None:
@@ -67,18 +84,7 @@ class LLMEngine:
 
     # --- intake -------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None) -> list[int]:
-        if messages is not None:
-            if self.tokenizer is None:
-                raise RequestError("messages", "this model has no tokenizer / chat template")
-            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
-        if isinstance(prompt, list):
-            return prompt
-        if not isinstance(prompt, str):
-            raise RequestError("prompt", "must be a string or a list of token ids")
-        if self.tokenizer is None:
-            raise RequestError("prompt", "this model has no tokenizer; pass token ids")
-        return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return tokenize(self.tokenizer, prompt, messages)
 
     def add_request(self, prompt: str | list[int] | None, params: SamplingParams, now: float | None = None,
                     request_id: str | None = None, priority: int = 5, deadline_ms: float | None = None,
@@ -91,6 +97,47 @@ class LLMEngine:
         ids = self.tokenize(prompt, messages)
         if not ids:
             raise RequestError("messages" if messages is not None else "prompt", "must not be empty")
+        req = self._new_request(ids, params, now, request_id, priority, deadline_ms, deadline_kind)
+        self.scheduler.add(req, req.arrival_time)
+        if self.tokenizer is not None:
+            self._detok[req.request_id] = DetokState()
+        return req
+
+    def add_prefilled(self, prompt_ids: list[int], first_token: int, kv: Any, params: SamplingParams,
+                      now: float | None = None, request_id: str | None = None, priority: int = 5,
+                      deadline_ms: float | None = None, deadline_kind: str | None = None,
+                      arrival: float | None = None, first_token_time: float | None = None) -> Request:
+        """Take over a request another engine prefilled (disaggregated serving): `kv` holds its
+        prompt's K/V (as `ModelRunner.export_kv` gives it), `first_token` the token sampled
+        there, whose text that engine already sent. The request joins the running batch at
+        once; if its blocks don't fit now, it queues and recomputes its prompt instead.
+        `arrival` / `first_token_time` (this engine's clock) default to `now`, the hand-off."""
+        if kv is None or kv.shape[2] != len(prompt_ids):
+            raise ValueError(f"KV hand-off: K/V for {None if kv is None else kv.shape[2]} positions, "
+                             f"prompt has {len(prompt_ids)}")
+        at = self.clock.now() if now is None else now
+        req = self._new_request(prompt_ids, params, at if arrival is None else arrival, request_id, priority,
+                                deadline_ms, deadline_kind)
+        req.output_token_ids.append(first_token)
+        req.first_token_time = at if first_token_time is None else first_token_time
+        if self.scheduler.adopt(req, len(prompt_ids), at):
+            try:
+                self.executor.import_kv(self.kv.block_table(req.request_id), kv)
+            except Exception:
+                self.scheduler.abort(req.request_id, at)
+                self.scheduler.finished_now.remove(req)  # the caller gets the exception instead
+                raise
+            self.kv.commit(req)
+        else:
+            self.scheduler.add(req, at)
+        if self.tokenizer is not None:
+            st = self._detok[req.request_id] = DetokState()
+            detokenize_step(self.tokenizer, req.output_token_ids, st)  # its text went out from the prefill side
+        return req
+
+    def _new_request(self, ids: list[int], params: SamplingParams, now: float | None, request_id: str | None,
+                     priority: int, deadline_ms: float | None, deadline_kind: str | None) -> Request:
+        """Check a tokenized request against the model and the cache; build it."""
         vocab = getattr(getattr(self.executor, "cfg", None), "vocab_size", None)
         if vocab is not None and any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise RequestError("prompt", f"token ids must be integers in [0, {vocab})")
@@ -103,12 +150,8 @@ class LLMEngine:
             raise RequestError("max_tokens", f"prompt plus max_tokens needs {need} KV blocks; "
                                f"the cache holds {self.kv.num_blocks}")
         rid = request_id or f"req-{next(self._ids)}"
-        req = Request(rid, ids, params, self.clock.now() if now is None else now, priority=priority,
-                      deadline_ms=deadline_ms, deadline_kind=deadline_kind, eos_token_id=self.eos_token_id)
-        self.scheduler.add(req, req.arrival_time)
-        if self.tokenizer is not None:
-            self._detok[rid] = DetokState()
-        return req
+        return Request(rid, ids, params, self.clock.now() if now is None else now, priority=priority,
+                       deadline_ms=deadline_ms, deadline_kind=deadline_kind, eos_token_id=self.eos_token_id)
 
     def abort(self, request_id: str, now: float | None = None) -> None:
         self.scheduler.abort(request_id, self.clock.now() if now is None else now)
@@ -143,12 +186,28 @@ class LLMEngine:
             self.num_generated_tokens += len(output.sampled)
         else:
             end = start
-        new_text = {req.request_id: self._detokenize(req, end) for req in changed}
+        detok = self._detok
+        # without a tokenizer there is no text: skip the per-request detokenize calls
+        new_text = {req.request_id: self._detokenize(req, end) for req in changed} if detok else {}
         finished = self.scheduler.drain_finished()
-        outs = [self._output(r, 1, new_text.get(r.request_id, "")) for r in changed if not r.finished]
+        outs: list[RequestOutput] = []
+        ended_with_token: set[str] = set()  # finished requests that got a token in this step
+        for r in changed:
+            rid = r.request_id
+            if r.finished:
+                ended_with_token.add(rid)
+                continue
+            # _output(r, 1, ...) for a running request, inlined and positional (hot: every
+            # running request, every step); token_ids is the live list
+            st = detok.get(rid)
+            toks = r.output_token_ids
+            outs.append(RequestOutput(rid, r.prompt_token_ids, toks, toks[-1:], False, None,
+                                      st.text if st is not None else "", new_text.get(rid, ""), r.error,
+                                      r.arrival_time, r.first_scheduled_time, r.first_token_time,
+                                      r.finish_time, r.priority, r.num_preemptions))
         for req in finished:  # final text now, while this step's token is known
             text = new_text.get(req.request_id, "") + self._flush_text(req)
-            self._held[req.request_id] = (1 if req.request_id in new_text else 0, text)
+            self._held[req.request_id] = (1 if req.request_id in ended_with_token else 0, text)
         for req in self.scheduler.release(finished, end):  # the policy may hold some back
             n_new, text = self._held.pop(req.request_id)
             outs.append(self._output(req, n_new, text))

@@ -71,6 +71,18 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     return loaded
 
 
+def load_tokenizer(cfg: ModelConfig) -> Any | None:
+    """Only the tokenizer (and chat template) of cfg.model, without its weights; None for dummy."""
+    if cfg.model == "dummy":
+        return None
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(cfg.model)
+    if os.path.isdir(path):
+        return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+
+
 # --- GGUF ----------------------------------------------------------------------------------
 _GGUF_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",

@@ -80,3 +80,30 @@ class ModelRunner:
             toks = sample(logits, [s.params for s in seqs], [s.output_index for s in seqs], self.generator)
             sampled = {s.request_id: t for s, t in zip(seqs, toks)}
         return StepOutput(sampled, time.perf_counter() - t0)
+
+    # --- KV hand-off (disaggregated prefill/decode, batchserve.distributed) ---------------
+    def _slots(self, block_table: list[int], n: int) -> torch.Tensor:
+        pos = torch.arange(n)
+        table = torch.tensor(block_table, dtype=torch.long)
+        return (table[pos // self.block_size] * self.block_size + pos % self.block_size).to(self.device)
+
+    def export_kv(self, block_table: list[int], n: int) -> torch.Tensor:
+        """The K/V of a request's first `n` positions, as one CPU tensor [layers, 2, n, kv_heads, head_dim]."""
+        slots = self._slots(block_table, n)
+        with torch.inference_mode():
+            out = torch.stack([torch.stack((k.index_select(0, slots), v.index_select(0, slots)))
+                               for k, v in self.kv_caches])
+        return out.cpu()
+
+    def import_kv(self, block_table: list[int], kv: torch.Tensor) -> None:
+        """Write `kv` (as export_kv returns it) into the blocks of `block_table`."""
+        n = kv.shape[2]
+        expect = (len(self.kv_caches), 2, n, self.cfg.num_kv_heads, self.cfg.head_dim)
+        if tuple(kv.shape) != expect:
+            raise ValueError(f"KV hand-off: shape {tuple(kv.shape)} does not match this model's {expect}")
+        slots = self._slots(block_table, n)
+        kv = kv.to(device=self.device, dtype=self.dtype)
+        with torch.inference_mode():
+            for layer, (k, v) in enumerate(self.kv_caches):
+                k.index_copy_(0, slots, kv[layer, 0])
+                v.index_copy_(0, slots, kv[layer, 1])

@@ -69,8 +69,12 @@ class ServerState:
         self.config = config
         self.model_name = model_name
         self.metrics = ServerMetrics()
-        self.engine = AsyncEngine(engine_source, default_max_tokens=config.default_max_tokens,
-                                  on_step=self.metrics.observe_step, on_finish=self.metrics.observe_finish)
+        if hasattr(engine_source, "attach"):  # an engine client of its own (distributed.RayEngineClient)
+            self.engine = engine_source
+            self.engine.attach(self.metrics.observe_step, self.metrics.observe_finish)
+        else:
+            self.engine = AsyncEngine(engine_source, default_max_tokens=config.default_max_tokens,
+                                      on_step=self.metrics.observe_step, on_finish=self.metrics.observe_finish)
         self.created = int(time.time())
         self.draining = False
         self.inflight = 0  # generation requests being answered (streams included)
@@ -264,11 +268,10 @@ def create_app(engine_source: LLMEngine | Callable[[], LLMEngine], config: Serve
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         state.check_auth(request)
-        eng = state.engine.engine
         card: dict[str, Any] = {"id": state.model_name, "object": "model", "created": state.created,
                                 "owned_by": "batchserve"}
-        if eng is not None:
-            card["max_model_len"] = eng.executor.max_model_len
+        if state.engine.ready:
+            card["max_model_len"] = state.engine.max_model_len
         return {"object": "list", "data": [card]}
 
     @app.get("/health")
@@ -284,7 +287,16 @@ def create_app(engine_source: LLMEngine | Callable[[], LLMEngine], config: Serve
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        snapshot = await state.engine.call(take_snapshot) if state.engine.ready else None
-        return Response(state.metrics.render(snapshot), media_type=CONTENT_TYPE_LATEST)
+        eng = state.engine
+        if not eng.ready:
+            snapshot = None
+        elif hasattr(eng, "snapshot"):
+            snapshot = await eng.snapshot()
+        else:
+            snapshot = await eng.call(take_snapshot)
+        text = state.metrics.render(snapshot)
+        if hasattr(eng, "metrics_text"):
+            text = text + eng.metrics_text().encode()
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     return app

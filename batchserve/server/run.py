@@ -46,12 +46,25 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+def ray_client(a: argparse.Namespace, engine_cfg, server_cfg):
+    """--ray: replicas (or prefill + decode workers) as Ray actors; connects to Ray here, in
+    the main thread, before the HTTP server starts."""
+    from batchserve.distributed.router import RayEngineClient
+
+    return RayEngineClient(engine_cfg, replicas=a.replicas, prefill_workers=a.prefill_workers,
+                           decode_workers=a.decode_workers, address=a.address, replica_cpus=a.replica_cpus,
+                           replica_gpus=a.replica_gpus, object_store_mb=a.object_store_mb,
+                           default_max_tokens=server_cfg.default_max_tokens)
+
+
 def serve(a: argparse.Namespace) -> int:
     """Run the server until it is told to stop (the `serve` subcommand)."""
     from batchserve.engine.engine import LLMEngine
 
     engine_cfg, server_cfg = load_configs(a)
-    app = create_app(lambda: LLMEngine.from_config(engine_cfg), server_cfg, model_name(engine_cfg.model.model))
+    source = ray_client(a, engine_cfg, server_cfg) if getattr(a, "ray", False) else \
+        (lambda: LLMEngine.from_config(engine_cfg))
+    app = create_app(source, server_cfg, model_name(engine_cfg.model.model))
     state: ServerState = app.state.server
     config = uvicorn.Config(app, host=server_cfg.host, port=server_cfg.port, log_level=a.log_level.lower(),
                             access_log=False, timeout_graceful_shutdown=5, timeout_keep_alive=5)

@@ -48,10 +48,20 @@ class SimExecutor:
         self.busy_time += dt
         self.last_step_time = dt
         sampled = {}
+        num_tokens = 0
+        avoid = self.avoid_ids
         for s in batch.seqs:
-            self.num_tokens += len(s.token_ids)
-            if s.sample:
-                sampled[s.request_id] = self.token_for(s.start_pos + len(s.token_ids))
+            n = len(s.token_ids)
+            num_tokens += n
+            if s.sample:  # token_for, inlined when there is nothing to avoid
+                sampled[s.request_id] = (self.token_for(s.start_pos + n) if avoid
+                                         else TOKEN_BASE + (s.start_pos + n) % TOKEN_SPAN)
+        self.num_tokens += num_tokens
         if self.trace is not None:
             self.trace.append(batch_key(batch))
         return StepOutput(sampled, dt)
+
+    def import_kv(self, block_table: list[int], kv: object) -> None:
+        """Adopt another engine's K/V (disaggregated serving, LLMEngine.add_prefilled). There
+        is no cache to write in a simulation, so nothing happens; the transfer's cost is
+        charged by the caller (sim/cluster.py) as a hand-off delay."""

@@ -69,7 +69,7 @@ class CascadePolicy(Policy):
 
         self.decoding = [rid for rid in self.decoding if still(rid)]
         members = set(self.decoding)
-        for r in sorted(sched.running, key=lambda r: (-r.priority, r.arrival_time)):
+        for r in sched.running_order():
             if len(self.decoding) >= sched.config.decode_max_batch:
                 break
             if r.request_id not in members and is_decoding(r):

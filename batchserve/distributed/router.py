@@ -1,0 +1,493 @@
+"""`batchserve serve --ray`: engine replicas as Ray actors behind the one HTTP app.
+
+RayEngineClient has the surface the app uses of AsyncEngine (start, ready, add -> RequestStream,
+abort, now, snapshot, shutdown), so routes, errors and metrics are the single-process server's.
+In the HTTP process it tokenizes (for prefix-aware routing), places each request on a replica
+(routing.rank: power of two choices on live queue stats, prefix affinity), and runs one `pull`
+loop per replica that brings back outputs, step records and stats.
+
+Failures: a replica's queue full -> the next replica by load; all full -> OverloadedError (503
+with Retry-After). A replica that dies: its requests that have sent nothing yet are placed again
+once; the others end with a clear error; Ray restarts the actor (max_restarts) and the router
+takes it back once it answers `ready`.
+
+Disaggregated (prefill_workers, decode_workers > 0): a request goes to a prefill worker, which
+returns its first token and its prompt's K/V (Ray object store; the router passes the reference
+on without reading it); a decode worker adopts it and streams the rest.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from batchserve.config import ConfigError, EngineConfig
+from batchserve.core.batch import RequestOutput
+from batchserve.core.kv_cache import prefix_hashes
+from batchserve.distributed.replica import NUM_PRIORITIES, EngineReplica, ReplicaStats
+from batchserve.distributed.routing import PER_WAITING, Candidate, rank
+from batchserve.engine.async_engine import EngineStoppedError, StepRecord
+from batchserve.engine.engine import tokenize
+from batchserve.engine.request_stream import RequestStream
+from batchserve.request import OverloadedError, RequestError, SamplingParams
+
+log = logging.getLogger(__name__)
+RESTART_POLL_S = 1.0
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError:
+        raise RuntimeError("--ray needs Ray: pip install 'batchserve[ray]'") from None
+    return ray
+
+
+def _actor_down_errors() -> tuple[type[BaseException], ...]:
+    ex = _ray().exceptions
+    return tuple(getattr(ex, n) for n in ("RayActorError", "ActorUnavailableError", "ObjectLostError")
+                 if hasattr(ex, n))
+
+
+def _cause(e: BaseException) -> BaseException:
+    """The exception a remote method raised (Ray wraps it in a RayTaskError)."""
+    cause = getattr(e, "cause", None)
+    return cause if isinstance(cause, BaseException) else e
+
+
+@dataclass
+class _Replica:
+    key: int
+    role: str  # both | prefill | decode
+    handle: Any
+    up: bool = False
+    info: dict = field(default_factory=dict)
+    stats: ReplicaStats | None = None
+    pending: list[tuple[float, int, int]] = field(default_factory=list)  # (sent at, priority, cost)
+    routed: int = 0
+    failures: int = 0
+    task: asyncio.Task | None = None
+
+    def candidate(self) -> Candidate:
+        s = self.stats or ReplicaStats()
+        pend = [0] * NUM_PRIORITIES
+        for _, p, cost in self.pending:
+            pend[p] += cost
+        return Candidate(self.key, s.waiting_tokens, s.waiting, s.running, pend, s.prefix_hashes)
+
+
+@dataclass
+class _Track:
+    """One request the router answers for."""
+
+    rid: str
+    stream: RequestStream
+    ids: list[int]
+    params: SamplingParams
+    options: dict[str, Any]
+    arrival: float  # router clock
+    replica: int | None = None
+    stage: str = "both"  # both | prefill | decode
+    delivered: bool = False  # the client has seen output
+    retried: bool = False
+    aborted: bool = False
+    done: bool = False
+    token_ids: list[int] = field(default_factory=list)
+
+
+class RayEngineClient:
+    """N engine replicas (or P prefill + D decode workers) on Ray, for server/app.py.
+
+    Construct it in the main thread (it connects to Ray, or starts a local Ray, and creates the
+    actors); `start(loop)` then waits for the models in the background (`ready` turns True)."""
+
+    def __init__(self, config: EngineConfig, *, replicas: int = 1, prefill_workers: int = 0,
+                 decode_workers: int = 0, address: str | None = None, replica_cpus: float = 1.0,
+                 replica_gpus: float = 0.0, object_store_mb: int = 512, max_restarts: int = -1, default_max_tokens: int = 1024,
+                 seed: int | None = None) -> None:
+        if (prefill_workers > 0) != (decode_workers > 0):
+            raise ConfigError("prefill_workers / decode_workers: disaggregated serving needs both >= 1")
+        if replicas < 1 or prefill_workers < 0 or decode_workers < 0:
+            raise ConfigError("replicas: must be >= 1 (workers >= 0)")
+        if replica_cpus <= 0:
+            raise ConfigError("replica_cpus: must be > 0")
+        ray = _ray()
+        self.config = config
+        self.disaggregated = prefill_workers > 0
+        self.default_max_tokens = default_max_tokens
+        self.on_step: Callable[[StepRecord], None] | None = None
+        self.on_finish: Callable[[RequestOutput], None] | None = None
+        self.load_error: BaseException | None = None
+        self._rng = random.Random(seed)
+        self._tracks: dict[str, _Track] = {}
+        self._stopping = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready = False
+        self.tokenizer: Any = None
+        self.max_model_len = 0
+        self._room = 0  # tokens one request may span (context and KV pool)
+        self.block_size = config.cache.block_size
+        self.prefix_routing = config.cache.prefix_caching  # (prefill workers only, when disaggregated)
+        self.handoffs = 0
+        self.handoff_tokens = 0
+        self.handoff_seconds = 0.0  # first token out of the prefill worker -> adopted by a decode worker
+        self.handoff_import_seconds = 0.0
+        self.handoff_export_seconds = 0.0
+        self.retries = 0
+        self.replica_failures = 0
+
+        self._own_ray = not ray.is_initialized()
+        if self._own_ray:
+            kw: dict[str, Any] = {"address": address, "include_dashboard": False, "log_to_driver": True}
+            if address in (None, "local"):
+                kw.update(address=None, object_store_memory=object_store_mb * 2**20)
+            ray.init(**kw)
+        threads = config.model.num_threads or max(1, int(replica_cpus))
+        base = dataclasses.replace(config, model=dataclasses.replace(config.model, num_threads=threads))
+        actor = ray.remote(EngineReplica).options  # one class, three roles
+        opts = {"num_cpus": replica_cpus, "num_gpus": replica_gpus, "max_restarts": max_restarts, "max_task_retries": 0,
+                "max_concurrency": 10_000}
+        specs: list[tuple[str, EngineConfig]] = []
+        if self.disaggregated:
+            sc = base.scheduler
+            pre = dataclasses.replace(base, scheduler=dataclasses.replace(
+                sc, max_num_seqs=min(sc.max_num_seqs, sc.prefill_max_batch)))
+            specs = [("prefill", pre)] * prefill_workers + [("decode", base)] * decode_workers
+        else:
+            specs = [("both", base)] * replicas
+        self.replicas: list[_Replica] = []
+        for key, (role, cfg) in enumerate(specs):
+            handle = actor(**opts).remote(cfg, role, f"{role}-{key}")
+            self.replicas.append(_Replica(key, role, handle))
+
+    # --- lifecycle ---------------------------------------------------------------------
+    def attach(self, on_step: Callable[[StepRecord], None] | None,
+               on_finish: Callable[[RequestOutput], None] | None) -> None:
+        """The app's metric callbacks (called on the event loop)."""
+        self.on_step, self.on_finish = on_step, on_finish
+
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self._loop = loop or asyncio.get_running_loop()
+        self._boot_task = self._loop.create_task(self._boot())
+
+    async def _boot(self) -> None:
+        from batchserve.runner.loader import load_tokenizer
+
+        try:
+            self.tokenizer = await asyncio.to_thread(load_tokenizer, self.config.model)
+            infos = await asyncio.gather(*(r.handle.ready.remote() for r in self.replicas))
+        except Exception as e:  # noqa: BLE001 - reported through /health
+            log.exception("replicas failed to start")
+            self.load_error = _cause(e)
+            return
+        for r, info in zip(self.replicas, infos):
+            r.info, r.up = info, True
+            r.task = self._loop.create_task(self._pull_loop(r))
+        self.max_model_len = min(i["max_model_len"] for i in infos)
+        self._room = min(min(i["max_model_len"], i["kv_blocks"] * i["block_size"]) for i in infos)
+        self._ready = True
+        log.info("ray: %d %s up", len(infos), "workers" if self.disaggregated else "replicas")
+
+    @property
+    def ready(self) -> bool:
+        if not self._ready or self._stopping:
+            return False
+        if self.disaggregated:
+            return any(r.up for r in self.replicas if r.role == "prefill") and \
+                any(r.up for r in self.replicas if r.role == "decode")
+        return any(r.up for r in self.replicas)
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the actors (and the local Ray this client started). Blocking."""
+        ray = _ray()
+        self._stopping = True
+        for r in self.replicas:
+            if r.task is not None and self._loop is not None and not self._loop.is_closed():
+                try:
+                    self._loop.call_soon_threadsafe(r.task.cancel)
+                except RuntimeError:  # closed meanwhile
+                    pass
+            try:
+                ray.kill(r.handle, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        if self._own_ray:
+            ray.shutdown()
+
+    # --- requests ----------------------------------------------------------------------
+    async def add(self, request_id: str, params: SamplingParams, prompt: str | list[int] | None = None,
+                  messages: list[dict] | None = None, auto_max_tokens: bool = False,
+                  **options: Any) -> RequestStream:
+        """As AsyncEngine.add: raises RequestError, OverloadedError or EngineStoppedError."""
+        if not self.ready:
+            raise EngineStoppedError("the model is not loaded yet" if not self._stopping else "shutting down")
+        ids = tokenize(self.tokenizer, prompt, messages)
+        if not ids:
+            raise RequestError("messages" if messages is not None else "prompt", "must not be empty")
+        if auto_max_tokens:
+            params = dataclasses.replace(params, max_tokens=max(1, min(self.default_max_tokens, self._room - len(ids))))
+        opts = {k: v for k, v in options.items() if v is not None}
+        arrival = opts.pop("now", None) or self.now()
+        t = _Track(request_id, RequestStream(request_id), ids, params, opts, arrival)
+        self._tracks[request_id] = t
+        try:
+            await self._place(t)
+        except BaseException:
+            self._tracks.pop(request_id, None)
+            raise
+        return t.stream
+
+    def abort(self, request_id: str) -> None:
+        t = self._tracks.get(request_id)
+        if t is None or t.done:
+            return
+        t.aborted = True
+        if t.replica is not None and t.stage != "prefill-done":
+            self.replicas[t.replica].handle.abort.remote(request_id)
+
+    def abort_all(self) -> None:
+        for rid in list(self._tracks):
+            self.abort(rid)
+
+    async def _place(self, t: _Track, exclude: frozenset[int] = frozenset()) -> None:
+        """Send `t` to the best replica that takes it (the first stage when disaggregated)."""
+        role = "prefill" if self.disaggregated else "both"
+        pool = [r for r in self.replicas if r.role == role and r.up and r.key not in exclude]
+        if not pool:
+            raise EngineStoppedError("no replica is up")
+        prio = t.options.get("priority", 5)
+        hashes = prefix_hashes(t.ids, self.block_size) if self.prefix_routing else None
+        order = rank([r.candidate() for r in pool], prio, hashes, self._rng, len(t.ids), self.block_size)
+        refused: OverloadedError | None = None
+        for key in order:
+            r = self.replicas[key]
+            sent = self.now()
+            # counted before the call: requests placed while this one is in flight must see it
+            entry = (sent, prio, len(t.ids) + PER_WAITING)
+            r.pending.append(entry)
+            try:
+                await r.handle.add.remote(t.rid, t.ids, t.params, t.options, sent - t.arrival)
+            except BaseException as e:
+                if entry in r.pending:
+                    r.pending.remove(entry)
+                if isinstance(e, _actor_down_errors()):
+                    continue  # its pull loop will notice
+                if not isinstance(e, Exception):
+                    raise
+                cause = _cause(e)  # the replica refused: say why
+                if isinstance(cause, OverloadedError):
+                    refused = cause
+                    continue
+                raise cause from None
+            t.replica, t.stage = key, ("prefill" if self.disaggregated else "both")
+            r.routed += 1
+            if self.disaggregated:
+                self._loop.create_task(self._hand_off(t, r))
+            return
+        if refused is not None:
+            raise OverloadedError(f"every replica refused the request: {refused}", refused.retry_after_s,
+                                  refused.level)
+        raise EngineStoppedError("no replica could take the request")
+
+    # --- outputs -----------------------------------------------------------------------
+    async def _pull_loop(self, r: _Replica) -> None:
+        down = _actor_down_errors()
+        while not self._stopping:
+            asked = self.now()
+            try:
+                outs, steps, stats = await r.handle.pull.remote(self.prefix_routing and r.role != "decode")
+            except asyncio.CancelledError:
+                return
+            except down as e:
+                if self._stopping:
+                    return
+                await self._replica_down(r, e)
+                continue
+            except Exception:  # noqa: BLE001 - keep pulling; a bug here must not stall the replica
+                log.exception("pull from replica %d failed", r.key)
+                await asyncio.sleep(0.1)
+                continue
+            r.stats = stats
+            r.pending = [p for p in r.pending if p[0] >= asked]  # older ones show in these stats
+            if self.on_step is not None:
+                for rec in steps:
+                    self.on_step(rec)
+            for out in outs:
+                t = self._tracks.get(out.request_id)
+                if t is not None and t.replica == r.key:
+                    self._deliver(t, out)
+
+    def _deliver(self, t: _Track, out: RequestOutput) -> None:
+        if t.done:
+            return
+        t.token_ids = list(out.token_ids)
+        if out.new_token_ids or out.new_text or out.finished:
+            t.delivered = True
+        if out.finished:
+            t.done = True
+            self._tracks.pop(t.rid, None)
+            if self.on_finish is not None:
+                self.on_finish(out)
+        t.stream.put(out)
+
+    def _fail(self, t: _Track, message: str) -> None:
+        now = self.now()
+        self._deliver(t, RequestOutput(
+            request_id=t.rid, prompt_token_ids=t.ids, token_ids=list(t.token_ids), new_token_ids=[],
+            finished=True, finish_reason="abort" if t.aborted else "error", error=message,
+            arrival_time=t.arrival, finish_time=now, priority=t.options.get("priority", 5)))
+
+    async def _lost(self, t: _Track, r: _Replica, err: BaseException) -> None:
+        """`t`'s replica died under it: place it again if the client has seen nothing, else fail it."""
+        msg = f"replica {r.key} ({r.role}) died: {type(err).__name__}"
+        if not t.delivered and not t.retried and not t.aborted and not self._stopping:
+            t.retried = True
+            self.retries += 1
+            try:
+                await self._place(t, exclude=frozenset({r.key}))
+                log.warning("request %s: %s; placed again on replica %s", t.rid, msg, t.replica)
+                return
+            except Exception as e:  # noqa: BLE001 - reported in the error
+                msg += f"; placing it again failed: {e}"
+        self._fail(t, msg)
+
+    async def _replica_down(self, r: _Replica, err: BaseException) -> None:
+        """Handle a dead replica's requests, then wait until Ray has restarted it."""
+        if r.up:
+            r.up = False
+            r.failures += 1
+            self.replica_failures += 1
+            r.stats, r.pending = None, []
+            log.error("replica %d (%s) is down: %s", r.key, r.role, err)
+            lost = [t for t in self._tracks.values() if t.replica == r.key and t.stage in ("both", "decode")]
+            await asyncio.gather(*(self._lost(t, r, err) for t in lost))
+        down = _actor_down_errors()
+        while not self._stopping:
+            try:
+                r.info = await r.handle.ready.remote()
+            except down:
+                await asyncio.sleep(RESTART_POLL_S)
+                continue
+            except Exception:  # noqa: BLE001 - e.g. the model fails to load after the restart
+                log.exception("replica %d did not come back", r.key)
+                await asyncio.sleep(RESTART_POLL_S * 5)
+                continue
+            r.up = True
+            log.info("replica %d (%s) is back", r.key, r.role)
+            return
+
+    # --- disaggregated: prefill -> decode ----------------------------------------------
+    async def _hand_off(self, t: _Track, p: _Replica) -> None:
+        try:
+            meta_ref, kv_ref = p.handle.take_handoff.options(num_returns=2).remote(t.rid)
+            handoff = await meta_ref
+        except _actor_down_errors() as e:
+            if p.up:  # the pull loop will see it too; take this request's share now
+                self._loop.create_task(self._replica_down(p, e))
+            await self._lost(t, p, e)
+            return
+        except Exception as e:  # noqa: BLE001
+            self._fail(t, f"prefill failed: {_cause(e)}")
+            return
+        got = time.perf_counter()
+        ttft_s = self.now() - t.arrival
+        out = handoff.output
+        self._deliver(t, out)
+        if handoff.kv_tokens == 0:  # ended at the prefill worker (EOS, max_tokens=1, an error)
+            return
+        t.stage = "prefill-done"
+        if t.aborted:
+            self._fail(t, "aborted")
+            return
+        prio = t.options.get("priority", 5)
+        pool = [r for r in self.replicas if r.role == "decode" and r.up]
+        order = rank([r.candidate() for r in pool], prio, None, self._rng)
+        reason = "no decode worker is up"
+        for key in order:
+            d = self.replicas[key]
+            t.replica, t.stage = key, "decode"  # before the call: its outputs may come first
+            entry = (self.now(), prio, PER_WAITING)
+            d.pending.append(entry)
+            try:
+                import_s = await d.handle.adopt.remote(t.rid, t.ids, out.token_ids[0], t.params, t.options,
+                                                       self.now() - t.arrival, ttft_s, kv_ref)
+            except _actor_down_errors() as e:
+                if entry in d.pending:
+                    d.pending.remove(entry)
+                reason = f"decode worker {key} died: {type(e).__name__}"
+                continue
+            except Exception as e:  # noqa: BLE001
+                if entry in d.pending:
+                    d.pending.remove(entry)
+                cause = _cause(e)
+                reason = f"decode worker {key} refused: {cause}"
+                if isinstance(cause, OverloadedError):
+                    continue
+                break
+            d.routed += 1
+            self.handoffs += 1
+            self.handoff_tokens += handoff.kv_tokens
+            self.handoff_seconds += time.perf_counter() - got + handoff.export_s
+            self.handoff_export_seconds += handoff.export_s
+            self.handoff_import_seconds += import_s
+            if t.aborted:
+                d.handle.abort.remote(t.rid)
+            return
+        t.stage = "prefill-done"
+        self._fail(t, reason)
+
+    # --- metrics -----------------------------------------------------------------------
+    async def snapshot(self) -> Any:
+        """The replicas' gauges summed (KV usage and prefix hit rate averaged), for /metrics."""
+        from batchserve.server.metrics import EngineSnapshot
+
+        snaps = [r.stats.snapshot for r in self.replicas if r.up and r.stats is not None and r.stats.snapshot]
+        if not snaps:
+            return None
+        waiting: dict[str, int] = {}
+        for s in snaps:
+            for level, n in s.waiting.items():
+                waiting[level] = waiting.get(level, 0) + n
+        n = len(snaps)
+        return EngineSnapshot(
+            waiting=waiting, running=sum(s.running for s in snaps), kv_usage=sum(s.kv_usage for s in snaps) / n,
+            kv_free_blocks=sum(s.kv_free_blocks for s in snaps), kv_blocks=sum(s.kv_blocks for s in snaps),
+            preemptions=sum(s.preemptions for s in snaps), prefix_hit_rate=sum(s.prefix_hit_rate for s in snaps) / n)
+
+    def metrics_text(self) -> str:
+        """Router gauges and counters in the Prometheus text format (appended to /metrics)."""
+        lines = ["# HELP batchserve:replica_up Whether a replica answers (1) or is down (0)",
+                 "# TYPE batchserve:replica_up gauge"]
+        lines += [f'batchserve:replica_up{{replica="{r.key}",role="{r.role}"}} {int(r.up)}' for r in self.replicas]
+        lines += ["# HELP batchserve:replica_routed_total Requests the router sent to a replica",
+                  "# TYPE batchserve:replica_routed_total counter"]
+        lines += [f'batchserve:replica_routed_total{{replica="{r.key}",role="{r.role}"}} {r.routed}'
+                  for r in self.replicas]
+        for name, help_, value in (
+                ("replica_failures_total", "Replica deaths the router saw", self.replica_failures),
+                ("router_retries_total", "Requests placed again after their replica died", self.retries),
+                ("kv_handoffs_total", "Requests handed from a prefill to a decode worker", self.handoffs),
+                ("kv_handoff_tokens_total", "Prompt tokens whose K/V was handed over", self.handoff_tokens),
+                ("kv_handoff_seconds_total", "First token out of a prefill worker to adopted by a decode worker "
+                 "(K/V export, object store, Ray calls, the decode worker's step boundary, import)",
+                 self.handoff_seconds),
+                ("kv_handoff_copy_seconds_total", "K/V copy time of the hand-offs (export + import)",
+                 self.handoff_export_seconds + self.handoff_import_seconds)):
+            lines += [f"# HELP batchserve:{name} {help_}", f"# TYPE batchserve:{name} counter",
+                      f"batchserve:{name} {value}"]
+        return "\n".join(lines) + "\n"
+
+    def handoff_stats(self) -> dict[str, float]:
+        """Hand-off cost so far (disaggregated mode)."""
+        n = max(1, self.handoff_tokens)
+        return {"handoffs": self.handoffs, "tokens": self.handoff_tokens, "seconds": self.handoff_seconds,
+                "ms_per_token": 1e3 * self.handoff_seconds / n,
+                "export_ms_per_token": 1e3 * self.handoff_export_seconds / n,
+                "import_ms_per_token": 1e3 * self.handoff_import_seconds / n}
