@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=None, help="markdown file to write (replaced section)")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--batches", default="1,8,32,64,128")
     a = ap.parse_args(argv)
 
     from batchserve.llm import LLM

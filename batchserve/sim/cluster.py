@@ -666,7 +666,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--link-latency-us", type=float, default=LINK_LATENCY_S * 1e6)
     ap.add_argument("--slo-ms", type=float, default=6000.0, help="end-to-end target for goodput")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", help="write the markdown section here")
+    ap.add_argument("--out", help="markdown file whose section this run replaces (or appends), e.g. BENCHMARKS.md")
     a = ap.parse_args(argv)
 
     cost = RooflineCost(a.hardware, a.model)
@@ -681,8 +681,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(table)
     print(f"[simulated in {time.perf_counter() - t0:.0f} s]", file=sys.stderr)
     if a.out:
-        with open(a.out, "w") as f:
-            f.write(report(a, argv, config, cost, rates, rows, table))
+        from batchserve.bench.foundation import write_section
+
+        text = report(a, argv, config, cost, rates, rows, table)
+        write_section(a.out, text.split("\n", 1)[0], text.rstrip() + "\n\n")  # replaces its section
         print(f"wrote {a.out}", file=sys.stderr)
     return 0
 
