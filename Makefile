@@ -7,7 +7,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8000
 ARGS   ?=
 
-.PHONY: install serve test bench bench-engine bench-http demo clean
+.PHONY: install serve test bench bench-engine bench-http bench-ray demo clean
 
 install: $(STAMP)
 
@@ -31,12 +31,20 @@ test: $(STAMP)
 
 # Benchmarks want a quiet machine (no build, test run or second server beside them).
 # In-process sections of BENCHMARKS.md (about 20 minutes here), then the HTTP comparison.
-bench: bench-engine bench-http
+bench: bench-engine bench-http bench-ray
 
 bench-engine: $(STAMP)
 	$(PY) -m batchserve.bench.foundation --out BENCHMARKS.md $(ARGS)
 	$(PY) -m batchserve.bench.policies --out BENCHMARKS.md
 	$(PY) -m batchserve.sim.fidelity --requests 60 --scale 0.5 --out BENCHMARKS.md
+	$(PY) -m batchserve.bench.matmul_variants --out BENCHMARKS.md
+	$(PY) -m batchserve.bench.http_offline --out BENCHMARKS.md
+	$(PY) -m batchserve.sim.speed
+	$(PY) -m batchserve.sim.cluster --out BENCHMARKS.md
+
+# 1 vs 2 replicas and prefill/decode workers on Ray, live over HTTP (about 10 minutes).
+bench-ray: $(STAMP)
+	$(PY) -m batchserve.bench.ray_bench --rates 1.0,3.0 --requests 40 --out BENCHMARKS.md
 
 # Every policy served over HTTP on the standard workloads: docs/bench/REPORT.md with the tables
 # and plots that BENCHMARKS.md links (about an hour here).

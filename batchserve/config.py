@@ -31,6 +31,7 @@ class ModelConfig:
     dummy_config: dict | None = None
     seed: int = 0
     attention_backend: str = "auto"  # auto: C++ decode kernel when it builds (CPU, fp32); torch; cpp
+    linear_backend: str = "auto"  # auto: oneDNN on packed weights where it runs (CPU, fp32); torch; onednn
 
     def __post_init__(self) -> None:
         _check(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
@@ -39,6 +40,8 @@ class ModelConfig:
         _check(self.num_threads >= 0, "num_threads", "must be >= 0")
         _check(self.attention_backend in ("auto", "torch", "cpp"), "attention_backend",
                f"must be auto, torch or cpp, got {self.attention_backend!r}")
+        _check(self.linear_backend in ("auto", "torch", "onednn"), "linear_backend",
+               f"must be auto, torch or onednn, got {self.linear_backend!r}")
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """`serve --ray` end to end on a local Ray: real replicas of the default model behind real HTTP.
 
-One local Ray (4 logical CPUs on this 2-core machine) for the module; two replicas serve the
-first tests, a prefill + decode pair the disaggregated one. The replica-death test runs last
+One local Ray for the module (8 logical CPUs on this 2-core machine, so that every fixture's
+actors fit at once); two replicas serve the first tests, a prefill + decode pair the
+disaggregated one. The replica-death test runs last
 among the replica tests: it kills a replica and waits for Ray to bring it back.
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ CONFIG = EngineConfig(cache=CacheConfig(kv_cache_gb=0.1))
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=256 * 2**20, log_to_driver=False)
+    ray.init(num_cpus=8, include_dashboard=False, object_store_memory=256 * 2**20, log_to_driver=False)
     yield
     ray.shutdown()
 
@@ -148,3 +149,36 @@ def test_disaggregated_prefill_decode_matches_one_engine(disaggregated, expected
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
     assert client.handoff_stats()["handoffs"] == len(QUESTIONS)
     assert [r.routed for r in client.replicas] == [7, 6]
+
+
+def test_every_replica_full_gives_503_with_retry_after(local_ray):
+    """Two replicas that each run one request and queue one more: a burst of eight gets some
+    answers and 503s with Retry-After (refused everywhere), and every accepted one finishes."""
+    from batchserve.config import ModelConfig, QueueConfig, SchedulerConfig
+    from batchserve.profile import TINY_MODEL
+
+    cfg = EngineConfig(model=ModelConfig(model="dummy", dummy_config=TINY_MODEL, num_threads=1),
+                       cache=CacheConfig(block_size=4, num_blocks=256), scheduler=SchedulerConfig(max_num_seqs=1),
+                       queue=QueueConfig.bounded(1))
+    client = RayEngineClient(cfg, replicas=2, replica_cpus=0.5, seed=0)
+    server = start_server(client, timeout=120)
+    try:
+        def send(i: int) -> httpx.Response:
+            return httpx.post(server.url + "/v1/completions", timeout=60,
+                              json={"model": MODEL, "prompt": list(range(5 + i, 25 + i)), "max_tokens": 200,
+                                    "temperature": 0, "ignore_eos": True})
+
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(send, range(8)))
+        codes = sorted(r.status_code for r in results)
+        assert 200 in codes and 503 in codes, codes
+        assert set(codes) <= {200, 503}
+        for r in results:
+            if r.status_code == 503:
+                assert r.json()["error"]["code"] == "queue_full"
+                assert "every replica refused" in r.json()["error"]["message"]
+                assert float(r.headers["Retry-After"]) >= 1
+            else:
+                assert r.json()["usage"]["completion_tokens"] == 200
+    finally:
+        server.stop()

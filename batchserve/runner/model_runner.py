@@ -30,7 +30,7 @@ class ModelRunner:
             torch.set_num_threads(model_cfg.num_threads)
         self.device = torch.device(model_cfg.device)
         self.cfg = loaded.config
-        self.model = LlamaModel(loaded.config, loaded.weights)
+        self.model = LlamaModel(loaded.config, loaded.weights, model_cfg.linear_backend)
         self.dtype = self.model.embed.dtype
         self.block_size = cache_cfg.block_size
         per_block = kv_bytes_per_block(self.cfg, self.block_size, self.dtype)

@@ -1,0 +1,108 @@
+"""Which matrix-product path is fastest here, at the model's own shapes and batch sizes?
+
+    python -m batchserve.bench.matmul_variants --out BENCHMARKS.md     # about 2 minutes
+
+Every variant runs all 30 layers' four fused matrices (QKV, O, gate/up, down; distinct tensors,
+so weights stream from memory as in a real decode step) for M rows, median of several passes,
+variants interleaved in one process:
+
+- fp32 `F.linear(x, W)` with W [out, in] (MKL) — the model's path before the oneDNN one;
+- fp32 oneDNN linear on weights packed once (`runner/models/llama.Linear`) — the default now;
+- fp32 `x @ Wt` with W stored transposed [in, out];
+- fp32 MKL packed GEMM (`torch.ops.mkl._mkl_linear`, weights packed once for a batch size);
+- int8 weight-only (`torch.ops.aten._weight_int8pack_mm`: int8 weights, per-channel scales,
+  fp32 activations) — a quarter of the weight bytes, for the memory-bound small batches;
+- bf16 `F.linear` (weights and activations bf16), for reference.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from batchserve.bench.foundation import write_section
+from batchserve.bench.roofline import layer_shapes, median_time
+from batchserve.runner.models.llama import Linear, LlamaConfig, onednn_linear_ok
+
+TITLE = "## Matrix-product variants at the model's shapes (issue 9 items 2 and 5)"
+
+
+def variants(cfg: LlamaConfig, m: int) -> dict[str, object]:
+    """name -> a function running every layer's matrices once for `m` rows."""
+    shapes = layer_shapes(cfg)
+    torch.manual_seed(0)
+    w32 = [[torch.randn(o, i) * 0.02 for i, o in shapes] for _ in range(cfg.num_layers)]
+    xs = [torch.randn(m, i) for i, _ in shapes]
+    out: dict[str, object] = {}
+    out["fp32 F.linear (MKL)"] = lambda: [F.linear(x, w) for layer in w32 for x, w in zip(xs, layer)]
+    if onednn_linear_ok(torch.zeros(1)):
+        od = [[Linear(w, packed=True) for w in layer] for layer in w32]
+        out["fp32 oneDNN on packed weights (model default)"] = lambda: [
+            lin(x) for layer in od for x, lin in zip(xs, layer)]
+    wt = [[w.t().contiguous() for w in layer] for layer in w32]
+    out["fp32 x @ W^T stored transposed"] = lambda: [x @ w for layer in wt for x, w in zip(xs, layer)]
+    try:
+        packed = [[torch.ops.mkl._mkl_reorder_linear_weight(w, m) for w in layer] for layer in w32]
+        out["fp32 MKL packed GEMM"] = lambda: [torch.ops.mkl._mkl_linear(x, p, w, None, m)
+                                               for layer, pl in zip(w32, packed) for x, w, p in zip(xs, layer, pl)]
+    except (RuntimeError, AttributeError):
+        pass
+    try:
+        q = []
+        for layer in w32:
+            row = []
+            for w in layer:
+                s = w.abs().amax(1) / 127
+                row.append((torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8), s))
+            q.append(row)
+        torch.ops.aten._weight_int8pack_mm(xs[0], q[0][0][0], q[0][0][1])
+        out["int8 weight-only (_weight_int8pack_mm)"] = lambda: [
+            torch.ops.aten._weight_int8pack_mm(x, wq, s) for layer in q for x, (wq, s) in zip(xs, layer)]
+    except (RuntimeError, AttributeError):
+        pass
+    wb = [[w.bfloat16() for w in layer] for layer in w32]
+    xb = [x.bfloat16() for x in xs]
+    out["bf16 F.linear"] = lambda: [F.linear(x, w) for layer in wb for x, w in zip(xb, layer)]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=None)
+    p.add_argument("--rows", default="1,8,32,64,128")
+    p.add_argument("--reps", type=int, default=7)
+    a = p.parse_args(argv)
+    cfg = LlamaConfig()  # SmolLM2-135M's shape
+    rows = [int(r) for r in a.rows.split(",")]
+    table: dict[str, dict[int, float]] = {}
+    with torch.inference_mode():
+        for m in rows:
+            fns = variants(cfg, m)
+            for _ in range(2):  # interleave: each variant twice, keep the better median
+                for name, fn in fns.items():
+                    t = median_time(fn, a.reps) * 1e3
+                    table.setdefault(name, {})[m] = min(t, table.get(name, {}).get(m, t))
+            print(f"M={m}: " + ", ".join(f"{n} {table[n][m]:.1f} ms" for n in fns), file=sys.stderr)
+    base = table["fp32 F.linear (MKL)"]
+    lines = [TITLE, "", f"`python -m batchserve.bench.matmul_variants {' '.join(argv or sys.argv[1:])}` — "
+             f"{datetime.date.today().isoformat()}, {platform.machine()}, {os.cpu_count()} cores, torch "
+             f"{torch.__version__}, {torch.get_num_threads()} threads. Milliseconds for all 30 layers' QKV, O, "
+             "gate/up and down products (LM head excluded); in brackets, time relative to F.linear.", "",
+             "| variant | " + " | ".join(f"M={m}" for m in rows) + " |", "|---|" + "---|" * len(rows)]
+    for name, by_m in table.items():
+        cells = [f"{by_m[m]:.1f} ({by_m[m] / base[m]:.2f}×)" for m in rows]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if a.out:
+        write_section(a.out, TITLE, text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
