@@ -171,6 +171,14 @@ def main(argv: list[str] | None = None) -> None:
         write_section(a.out, "## Foundation:", report)
 
 
+def publish(text: str, out: str | None, heading: str) -> int:
+    """Print a benchmark's markdown section and, with `out`, replace it in that file; exit code 0."""
+    print(text)
+    if out:
+        write_section(out, heading, text)
+    return 0
+
+
 def write_section(path: str, heading: str, report: str) -> None:
     """Replace the section starting with `heading` in a markdown file (or append it)."""
     text = open(path).read() if os.path.exists(path) else "# Benchmarks\n\n"

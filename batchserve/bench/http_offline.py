@@ -17,7 +17,7 @@ import sys
 import time
 
 from batchserve.bench.client import ClientConfig, run
-from batchserve.bench.foundation import offline_workload, run_offline, write_section
+from batchserve.bench.foundation import offline_workload, publish, run_offline
 from batchserve.bench.standard import running_server
 from batchserve.bench.workload import WorkItem
 
@@ -65,10 +65,7 @@ def main(argv: list[str] | None = None) -> int:
              f"HTTP / offline = **{ratio:.2f}** (target ≥ 0.90: {'met' if ratio >= 0.9 else 'not met'}). "
              f"The client ran in the benchmark process on the same 2 cores (wall {wall:.1f} s).", ""]
     text = "\n".join(lines)
-    print(text)
-    if a.out:
-        write_section(a.out, TITLE, text)
-    return 0
+    return publish(text, a.out, TITLE)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from batchserve.bench.foundation import write_section
+from batchserve.bench.foundation import publish
 from batchserve.bench.roofline import layer_shapes, median_time
 from batchserve.runner.models.llama import Linear, LlamaConfig, onednn_linear_ok
 
@@ -98,10 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         cells = [f"{by_m[m]:.1f} ({by_m[m] / base[m]:.2f}×)" for m in rows]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     text = "\n".join(lines) + "\n"
-    print(text)
-    if a.out:
-        write_section(a.out, TITLE, text)
-    return 0
+    return publish(text, a.out, TITLE)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import httpx
 
 from batchserve.bench.cli import run_sweep
 from batchserve.bench.client import ClientConfig
-from batchserve.bench.foundation import write_section
+from batchserve.bench.foundation import publish
 from batchserve.bench.standard import running_server
 
 LAYOUTS = (
@@ -98,10 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"({1e3 * h['kv_handoff_seconds_total'] / tok:.2f} ms per prompt token; this includes the Ray "
                       "calls and waiting for the decode worker's current step to end)."]
     text = "\n".join(lines) + "\n"
-    print(text)
-    if a.out:
-        write_section(a.out, TITLE, text)
-    return 0
+    return publish(text, a.out, TITLE)
 
 
 def _s(d: dict, key: str) -> str:  # ms -> s
