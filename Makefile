@@ -42,9 +42,9 @@ bench-engine: $(STAMP)
 	$(PY) -m batchserve.sim.speed
 	$(PY) -m batchserve.sim.cluster --out BENCHMARKS.md
 
-# 1 vs 2 replicas and prefill/decode workers on Ray, live over HTTP (about 10 minutes).
+# 1 vs 2 replicas and prefill/decode workers on Ray, live over HTTP (about 8 minutes).
 bench-ray: $(STAMP)
-	$(PY) -m batchserve.bench.ray_bench --rates 1.0,3.0 --requests 40 --out BENCHMARKS.md
+	$(PY) -m batchserve.bench.ray_bench --rates 1.0,3.0,6.0 --requests 40 --out BENCHMARKS.md
 
 # Every policy served over HTTP on the standard workloads: docs/bench/REPORT.md with the tables
 # and plots that BENCHMARKS.md links (about an hour here).

@@ -1,6 +1,6 @@
 """1 vs 2 replicas, and disaggregated vs not, served over HTTP and load-tested with `bench`.
 
-    python -m batchserve.bench.ray_bench --out BENCHMARKS.md           # about 15 minutes here
+    python -m batchserve.bench.ray_bench --out BENCHMARKS.md           # about 6 minutes here
     python -m batchserve.bench.ray_bench --out /tmp/r.md --quick       # a smoke run
 
 Each layout is started as `batchserve serve ...` on a free port and gets the same open-loop
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None, help="markdown file whose Ray section is replaced (e.g. BENCHMARKS.md)")
     p.add_argument("--workload", default="chat")
-    p.add_argument("--rates", default="0.5,1.0")
+    p.add_argument("--rates", default="1.0,3.0")
     p.add_argument("--requests", type=int, default=40)
     p.add_argument("--scale", type=float, default=0.25)
     p.add_argument("--max-duration", type=float, default=150.0)
