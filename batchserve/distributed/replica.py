@@ -56,19 +56,28 @@ class Handoff:
     export_s: float  # time to gather the K/V out of the cache
 
 
+def queued_work(sched: Any) -> tuple[list[int], list[int]]:
+    """Per priority: requests waiting, and prompt tokens not yet computed — those of waiting
+    requests and of admitted prompts still in chunks (work ahead of a new request too)."""
+    waiting, tokens = [0] * NUM_PRIORITIES, [0] * NUM_PRIORITIES
+    for req in sched.waiting:
+        waiting[req.priority] += 1
+        tokens[req.priority] += req.num_tokens - req.num_computed_tokens
+    for req in sched.running:
+        left = req.num_tokens - req.num_computed_tokens - 1  # a decode has 1 left
+        if left > 0:
+            tokens[req.priority] += left
+    return waiting, tokens
+
+
 def replica_stats(engine: Any, with_hashes: bool) -> ReplicaStats:
     """Read on the engine thread, between steps."""
     from batchserve.server.metrics import take_snapshot
 
-    s = ReplicaStats(running=len(engine.scheduler.running), kv_free_blocks=engine.kv.num_free_blocks,
-                     kv_blocks=engine.kv.num_blocks, snapshot=take_snapshot(engine), taken_at=time.monotonic())
-    for req in engine.scheduler.waiting:
-        s.waiting[req.priority] += 1
-        s.waiting_tokens[req.priority] += req.num_tokens - req.num_computed_tokens
-    for req in engine.scheduler.running:  # admitted prompts not computed yet (chunked prefill) are work ahead too
-        left = req.num_tokens - req.num_computed_tokens - 1
-        if left > 0:
-            s.waiting_tokens[req.priority] += left
+    waiting, tokens = queued_work(engine.scheduler)
+    s = ReplicaStats(waiting, tokens, running=len(engine.scheduler.running),
+                     kv_free_blocks=engine.kv.num_free_blocks, kv_blocks=engine.kv.num_blocks,
+                     snapshot=take_snapshot(engine), taken_at=time.monotonic())
     if with_hashes and engine.kv.prefix_caching:
         s.prefix_hashes = engine.kv.cached_hashes()
     return s
@@ -88,7 +97,8 @@ class _ReplicaEngine(AsyncEngine):
 
     def _deliver(self, outs: list[RequestOutput]) -> None:  # on the event loop
         for out in outs:
-            self._streams.pop(out.request_id, None) if out.finished else None
+            if out.finished:
+                self._streams.pop(out.request_id, None)
         self.replica.post(outs)
 
     def _emit(self, outs: list[RequestOutput]) -> None:  # on the engine thread
@@ -100,9 +110,7 @@ class _ReplicaEngine(AsyncEngine):
         """Prefill role: each request that just got its first token leaves here, its K/V with it."""
         engine = self.engine
         runner = engine.executor.inner
-        for out in outs:
-            if len(out.token_ids) != 1 and not out.finished:
-                continue  # (cannot happen: requests leave at their first token)
+        for out in outs:  # each is a request's first token (it leaves here) or its end
             handoff = Handoff(out, 0, 0.0)
             kv = None
             if not out.finished:

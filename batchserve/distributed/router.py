@@ -29,7 +29,7 @@ from batchserve.config import ConfigError, EngineConfig
 from batchserve.core.batch import RequestOutput
 from batchserve.core.kv_cache import prefix_hashes
 from batchserve.distributed.replica import NUM_PRIORITIES, EngineReplica, ReplicaStats
-from batchserve.distributed.routing import PER_WAITING, Candidate, rank
+from batchserve.distributed.routing import PER_WAITING, Candidate, layout, rank
 from batchserve.engine.async_engine import EngineStoppedError, StepRecord
 from batchserve.engine.engine import tokenize
 from batchserve.engine.request_stream import RequestStream
@@ -151,16 +151,8 @@ class RayEngineClient:
         actor = ray.remote(EngineReplica).options  # one class, three roles
         opts = {"num_cpus": replica_cpus, "num_gpus": replica_gpus, "max_restarts": max_restarts, "max_task_retries": 0,
                 "max_concurrency": 10_000}
-        specs: list[tuple[str, EngineConfig]] = []
-        if self.disaggregated:
-            sc = base.scheduler
-            pre = dataclasses.replace(base, scheduler=dataclasses.replace(
-                sc, max_num_seqs=min(sc.max_num_seqs, sc.prefill_max_batch)))
-            specs = [("prefill", pre)] * prefill_workers + [("decode", base)] * decode_workers
-        else:
-            specs = [("both", base)] * replicas
         self.replicas: list[_Replica] = []
-        for key, (role, cfg) in enumerate(specs):
+        for key, (role, cfg) in enumerate(layout(base, replicas, prefill_workers, decode_workers)):
             handle = actor(**opts).remote(cfg, role, f"{role}-{key}")
             self.replicas.append(_Replica(key, role, handle))
 
@@ -327,7 +319,7 @@ class RayEngineClient:
     def _deliver(self, t: _Track, out: RequestOutput) -> None:
         if t.done:
             return
-        t.token_ids = list(out.token_ids)
+        t.token_ids = out.token_ids  # (a copy already: it came through Ray)
         if out.new_token_ids or out.new_text or out.finished:
             t.delivered = True
         if out.finished:

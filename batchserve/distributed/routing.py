@@ -9,8 +9,11 @@ the prompt's first blocks saves their prefill: that saving is weighed against it
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
+
+from batchserve.config import EngineConfig
 
 PER_WAITING = 32  # prompt-token equivalents a queued request costs beyond its prompt
 PER_RUNNING = 4  # ... and a running one
@@ -26,6 +29,17 @@ class Candidate:
     running: int
     pending: list[int] = field(default_factory=lambda: [0] * 11)  # router-side, by priority
     prefix: frozenset[int] | None = None  # cached block hashes (None: unknown / caching off)
+
+
+def layout(config: EngineConfig, replicas: int, prefill: int = 0, decode: int = 0) -> list[tuple[str, EngineConfig]]:
+    """(role, engine config) per engine: `replicas` whole engines, or with prefill/decode workers
+    the disaggregated pair of pools; prefill workers run at most prefill_max_batch requests."""
+    if not prefill:
+        return [("both", config)] * replicas
+    sc = config.scheduler
+    pre = dataclasses.replace(config, scheduler=dataclasses.replace(
+        sc, max_num_seqs=min(sc.max_num_seqs, sc.prefill_max_batch)))
+    return [("prefill", pre)] * prefill + [("decode", config)] * decode
 
 
 def load(c: Candidate, priority: int) -> float:

@@ -26,7 +26,6 @@ order; when every engine refuses, the client gets a 503.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import random
 import sys
@@ -39,15 +38,16 @@ from batchserve.bench.workload import WorkItem, make_workload
 from batchserve.config import EngineConfig, SchedulerConfig
 from batchserve.core.batch import RequestOutput
 from batchserve.core.kv_cache import prefix_hashes
-from batchserve.distributed.routing import PER_WAITING, Candidate, rank
+from batchserve.distributed.replica import queued_work
+from batchserve.distributed.routing import PER_WAITING, Candidate, layout, rank
 from batchserve.engine.clock import SimClock
 from batchserve.engine.engine import LLMEngine
 from batchserve.request import OverloadedError, RequestError, SamplingParams
 from batchserve.sim.cost import CostModel, RooflineCost
-from batchserve.sim.events import EventQueue, Kind
+from batchserve.sim.events import Arrival, EventQueue, Kind
 from batchserve.sim.executor import SimExecutor
 from batchserve.sim.hardware import GPUS, MODELS
-from batchserve.sim.simulator import IDLE_POLL_S, MIN_WAKE_S, SimulationStuck, prompt_ids
+from batchserve.sim.simulator import IDLE_POLL_S, MIN_WAKE_S, SimulationStuck, prompt_ids, record_output
 
 NUM_PRIORITIES = 11
 ROUTINGS = ("rank", "random", "round_robin")
@@ -57,15 +57,6 @@ STEADY_FROM = 0.4  # the steady-throughput window starts this far into the arriv
 
 
 # --- events (ordered as in events.py: step ends, then arrivals, then step starts) ---------------
-@dataclass(frozen=True)
-class ClientArrival:
-    """Workload item `index` reaches the router."""
-
-    time: float
-    index: int
-    kind: Kind = field(default=Kind.ARRIVAL, init=False)
-
-
 @dataclass(frozen=True)
 class KVArrival:
     """A prefilled request (first token sampled, K/V sent) reaches the decode side."""
@@ -135,10 +126,8 @@ class _Node:
     def candidate(self, with_prefix: bool) -> Candidate:
         """The engine as the router sees it: exact queue contents now, inbox as pending."""
         sched = self.engine.scheduler
-        waiting, tokens, pending = [0] * NUM_PRIORITIES, [0] * NUM_PRIORITIES, [0] * NUM_PRIORITIES
-        for req in sched.waiting:
-            waiting[req.priority] += 1
-            tokens[req.priority] += req.num_tokens - req.num_computed_tokens
+        waiting, tokens = queued_work(sched)
+        pending = [0] * NUM_PRIORITIES
         for job, prio in self.inbox:
             pending[prio] += job.cost
         prefix = self.engine.kv.cached_hashes() if with_prefix and self.engine.kv.prefix_caching else None
@@ -205,15 +194,8 @@ class ClusterSimulator:
         self.idle_poll_s = idle_poll_s
         self.slo_ms = slo_ms
         self.max_idle_polls = max_idle_polls
-        self.prefix_routing = config.cache.prefix_caching and not self.disaggregated  # as the router does
-        if self.disaggregated:
-            # prefill workers run at most prefill_max_batch requests at once (router.py)
-            sc = config.scheduler
-            pre = dataclasses.replace(config, scheduler=dataclasses.replace(
-                sc, max_num_seqs=min(sc.max_num_seqs, sc.prefill_max_batch)))
-            specs = [("prefill", pre)] * prefill + [("decode", config)] * decode
-        else:
-            specs = [("both", config)] * replicas
+        self.prefix_routing = config.cache.prefix_caching  # entry (prefill) engines only, as the router does
+        specs = layout(config, replicas, prefill, decode)
         self.nodes = [_Node(k, role, cfg, cost, num_blocks) for k, (role, cfg) in enumerate(specs)]
         self._rr = {"entry": 0, "decode": 0}
 
@@ -259,7 +241,7 @@ class ClusterSimulator:
             nonlocal next_item
             if next_item < len(items):
                 k = arrival_order[next_item]
-                events.push(ClientArrival(items[k].arrival, k))
+                events.push(Arrival(items[k].arrival, k))
                 next_item += 1
 
         def start_at(node: _Node, t: float) -> None:
@@ -323,17 +305,9 @@ class ClusterSimulator:
                 index = live.get(out.request_id)
                 if index is None:
                     continue
-                rec = recs[index]
-                if out.new_token_ids:
-                    if steady:
-                        steady_tokens += len(out.new_token_ids)
-                    if rec.first_token_time is None:
-                        rec.first_token_time = t
-                    if self.token_times:
-                        rec.token_times.append(t)
-                if out.finished:
-                    rec.end_time, rec.finish_reason, rec.error = t, out.finish_reason, out.error
-                    rec.output_tokens = len(out.token_ids)
+                if steady:
+                    steady_tokens += len(out.new_token_ids)
+                if record_output(recs[index], out, t, self.token_times):
                     del live[out.request_id]
                 elif node.role == "prefill" and out.new_token_ids:
                     hand_off(node, index, out, t)
@@ -377,7 +351,7 @@ class ClusterSimulator:
         push_arrival()
         while len(events):
             ev = events.pop()
-            if isinstance(ev, ClientArrival):
+            if isinstance(ev, Arrival):  # a workload item reaches the router
                 push_arrival()
                 i, item = ev.index, items[ev.index]
                 rec = RequestRecord(id=f"r{i}", cls=item.cls, priority=item.priority, send_time=item.arrival,

@@ -36,6 +36,19 @@ IDLE_POLL_S = 0.002  # the async engine's wait when a step runs nothing (engine/
 MIN_WAKE_S = 1e-6  # a due time at or before `now` (rounding) is retried this much later
 
 
+def record_output(rec: RequestRecord, out: RequestOutput, t: float, token_times: bool) -> bool:
+    """What a client sees of `out` at virtual time `t`, into its record; True once finished."""
+    if out.new_token_ids:
+        if rec.first_token_time is None:
+            rec.first_token_time = t
+        if token_times:
+            rec.token_times.append(t)
+    if out.finished:
+        rec.end_time, rec.finish_reason, rec.error = t, out.finish_reason, out.error
+        rec.output_tokens = len(out.token_ids)
+    return out.finished
+
+
 class SimulationStuck(RuntimeError):
     """Work is left but nothing can run and nothing will arrive."""
 
@@ -138,16 +151,7 @@ class Simulator:
         def deliver(outs: list[RequestOutput], t: float) -> None:
             for out in outs:
                 rec = records.get(out.request_id)
-                if rec is None:
-                    continue
-                if out.new_token_ids:
-                    if rec.first_token_time is None:
-                        rec.first_token_time = t
-                    if self.token_times:
-                        rec.token_times.append(t)
-                if out.finished:
-                    rec.end_time, rec.finish_reason, rec.error = t, out.finish_reason, out.error
-                    rec.output_tokens = len(out.token_ids)
+                if rec is not None and record_output(rec, out, t, self.token_times):
                     del records[out.request_id]
 
         def step(t: float) -> None:
