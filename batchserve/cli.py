@@ -17,9 +17,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     g.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpp"],
-                   help="decode attention: C++ kernel when it builds (auto), PyTorch only, or require C++")
+                   help="decode attention and fused layer ops: C++ when they build (auto), PyTorch only, "
+                        "or require C++")
     g.add_argument("--linear-backend", default="auto", choices=["auto", "torch", "onednn"],
                    help="matrix products: oneDNN on packed weights where it runs (auto), F.linear, or require oneDNN")
+    g.add_argument("--matmul-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="bfloat16: the decoder layers' matrix products in bf16 over float32 activations, norms, "
+                        "KV cache and LM head (auto: as --dtype)")
     g = p.add_argument_group("kv cache")
     g.add_argument("--kv-cache-gb", type=float, default=CacheConfig.kv_cache_gb)
     g.add_argument("--block-size", type=int, default=CacheConfig.block_size)
@@ -74,7 +78,8 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model=a.model, dtype=a.dtype, device=a.device, num_threads=a.threads,
                           attention_backend=getattr(a, "attention_backend", "auto"),
-                          linear_backend=getattr(a, "linear_backend", "auto")),
+                          linear_backend=getattr(a, "linear_backend", "auto"),
+                          matmul_dtype=getattr(a, "matmul_dtype", "auto")),
         cache=CacheConfig(block_size=a.block_size, kv_cache_gb=a.kv_cache_gb, num_blocks=a.num_blocks,
                           prefix_caching=a.prefix_caching),
         scheduler=SchedulerConfig(policy=a.policy, max_num_seqs=a.max_num_seqs,

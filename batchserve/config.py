@@ -30,8 +30,11 @@ class ModelConfig:
     num_threads: int = 0  # 0: leave torch's default
     dummy_config: dict | None = None
     seed: int = 0
-    attention_backend: str = "auto"  # auto: C++ decode kernel when it builds (CPU, fp32); torch; cpp
+    attention_backend: str = "auto"  # auto: C++ decode kernel + fused layer ops when they build (CPU, fp32); torch; cpp
     linear_backend: str = "auto"  # auto: oneDNN on packed weights where it runs (CPU, fp32); torch; onednn
+    # auto: the matrix products in `dtype`; bfloat16 with dtype float32: the decoder layers' products
+    # in bf16 (half the weight bytes; where the CPU has bf16 instructions, faster), all else float32
+    matmul_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _check(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
@@ -42,6 +45,10 @@ class ModelConfig:
                f"must be auto, torch or cpp, got {self.attention_backend!r}")
         _check(self.linear_backend in ("auto", "torch", "onednn"), "linear_backend",
                f"must be auto, torch or onednn, got {self.linear_backend!r}")
+        _check(self.matmul_dtype in ("auto", self.dtype, "bfloat16"), "matmul_dtype",
+               f"must be auto, {self.dtype!r} or bfloat16 (with dtype float32), got {self.matmul_dtype!r}")
+        _check(self.matmul_dtype != "bfloat16" or self.dtype in ("float32", "bfloat16"), "matmul_dtype",
+               f"bfloat16 matrix products need dtype float32 or bfloat16, got dtype {self.dtype!r}")
 
 
 @dataclass(frozen=True)

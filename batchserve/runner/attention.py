@@ -87,15 +87,19 @@ class AttnMeta:
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
-    """q: [T, n_h, hd]; k, v: [T, n_kv, hd] for the new tokens. Writes k, v into the cache,
-    then returns the attention output [T, n_h, hd]."""
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta,
+                    stored: bool = False) -> torch.Tensor:
+    """q: [T, n_h, hd]; k, v: [T, n_kv, hd] for the new tokens. Writes k, v into the cache
+    (unless `stored`: the caller already did), then returns the attention output [T, n_h, hd]."""
     T, n_h, hd = q.shape
-    n_kv = k.shape[1]
-    g = n_h // n_kv
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
-    out = torch.empty_like(q)
+    if not stored:
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
+    if (meta.kernel is not None and not meta.prefills and meta.dec_contiguous
+            and meta.dec_hi - meta.dec_lo == T):  # a pure decode step: the kernel's output is the answer
+        return meta.kernel.paged_decode(q, k_cache, v_cache, meta.dec_tables, meta.dec_lens,
+                                        meta.block_size, hd ** -0.5)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     for sp in meta.prefills:
         qs = q[sp.start:sp.end].transpose(0, 1)  # [n_h, n, hd]
         if sp.ctx_slots is None:

@@ -11,7 +11,7 @@ import torch
 from batchserve.config import CacheConfig, ModelConfig
 from batchserve.core.batch import ScheduledBatch, StepOutput
 from batchserve.runner.attention import AttnMeta
-from batchserve.runner.kernels import paged_attention_ext
+from batchserve.runner.kernels import fused_ops_ext, paged_attention_ext
 from batchserve.runner.loader import LoadedModel
 from batchserve.runner.models.llama import LlamaModel
 from batchserve.runner.sampler import sample
@@ -30,7 +30,14 @@ class ModelRunner:
             torch.set_num_threads(model_cfg.num_threads)
         self.device = torch.device(model_cfg.device)
         self.cfg = loaded.config
-        self.model = LlamaModel(loaded.config, loaded.weights, model_cfg.linear_backend)
+        dtype = loaded.weights["model.embed_tokens.weight"].dtype
+        cpp_ok = model_cfg.attention_backend != "torch" and self.device.type == "cpu" and dtype == torch.float32
+        fused = fused_ops_ext() if cpp_ok else None
+        self.kernel = paged_attention_ext() if cpp_ok else None
+        if model_cfg.attention_backend == "cpp" and (self.kernel is None or fused is None):
+            raise RuntimeError("attention_backend=cpp: the C++ kernels did not build (see the log)")
+        mm = None if model_cfg.matmul_dtype in ("auto", model_cfg.dtype) else getattr(torch, model_cfg.matmul_dtype)
+        self.model = LlamaModel(loaded.config, loaded.weights, model_cfg.linear_backend, mm, fused)
         self.dtype = self.model.embed.dtype
         self.block_size = cache_cfg.block_size
         per_block = kv_bytes_per_block(self.cfg, self.block_size, self.dtype)
@@ -41,11 +48,6 @@ class ModelRunner:
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(self.cfg.num_layers)]
         self.generator = torch.Generator(device=self.device).manual_seed(model_cfg.seed)
-        self.kernel = None
-        if model_cfg.attention_backend != "torch" and self.device.type == "cpu" and self.dtype == torch.float32:
-            self.kernel = paged_attention_ext()
-        if model_cfg.attention_backend == "cpp" and self.kernel is None:
-            raise RuntimeError("attention_backend=cpp: the C++ kernel did not build (see the log)")
         log.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB)", self.num_blocks,
                  self.block_size, slots, self.num_blocks * per_block / 2**30)
 

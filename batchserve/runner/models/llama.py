@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -146,35 +147,55 @@ class Linear:
         return self.w.to_dense() if self.packed else self.w
 
 
+def _mm(lin: "Linear", x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """lin(x), with x cast to the weights' dtype and the result back (bf16 matmul mode), when set."""
+    return lin(x) if dtype is None else lin(x.to(dtype)).to(x.dtype)
+
+
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor], linear_backend: str = "auto") -> None:
+    def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor], linear_backend: str = "auto",
+                 matmul_dtype: torch.dtype | None = None, fused: Any = None) -> None:
         """`weights` uses Hugging Face names (model.layers.N.self_attn.q_proj.weight, ...).
-        `linear_backend`: auto (oneDNN on packed weights where it runs, else torch), torch, onednn."""
+        `linear_backend`: auto (oneDNN on packed weights where it runs, else torch), torch, onednn.
+        `matmul_dtype`: the decoder layers' matrices in this dtype (bfloat16 with float32 weights:
+        bf16 matrix products, everything else float32; the LM head stays in the weights' dtype).
+        `fused`: the compiled fused-ops module (runner/kernels.py) for the per-layer elementwise
+        work, or None for the PyTorch path; used only with float32 weights on the CPU."""
         super().__init__()
         self.cfg = cfg
         w = weights
         self.embed = w["model.embed_tokens.weight"]  # [V, H]
         self.norm = w["model.norm.weight"]
+        mm = matmul_dtype or self.embed.dtype
+        if mm != self.embed.dtype and (self.embed.dtype != torch.float32 or mm != torch.bfloat16):
+            raise ValueError(f"matmul_dtype {mm} with {self.embed.dtype} weights: only bfloat16 matrix products "
+                             "over float32 weights are supported")
+        self.matmul_dtype = mm
         ok = onednn_linear_ok(self.embed)
         if linear_backend == "onednn" and not ok:
             raise RuntimeError("linear_backend=onednn: oneDNN linear is not available here (needs fp32 on a CPU "
                                "with torch's oneDNN)")
         self.linear_backend = "onednn" if ok and linear_backend != "torch" else "torch"
         pack = self.linear_backend == "onednn"
+        fits = self.embed.dtype == torch.float32 and self.embed.device.type == "cpu"
+        self.fused = fused if fits else None
         head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
         self.lm_head = Linear(head, pack)
+
+        def lin(t: torch.Tensor) -> Linear:
+            return Linear(t.to(mm), pack)
+
         self.layers: list[dict[str, torch.Tensor | Linear]] = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
             self.layers.append({
                 "attn_norm": w[p + "input_layernorm.weight"],
-                "wqkv": Linear(torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]),
-                               pack),
-                "wo": Linear(w[a + "o_proj.weight"], pack),
+                "wqkv": lin(torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]])),
+                "wo": lin(w[a + "o_proj.weight"]),
                 "mlp_norm": w[p + "post_attention_layernorm.weight"],
-                "w_gate_up": Linear(torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]), pack),
-                "w_down": Linear(w[p + "mlp.down_proj.weight"], pack),
+                "w_gate_up": lin(torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])),
+                "w_down": lin(w[p + "mlp.down_proj.weight"]),
             })
         self.inv_freq = rope_inv_freq(cfg).to(self.embed.device)
 
@@ -187,23 +208,50 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """input_ids, positions: [T]. Returns final hidden states [T, H] (normed)."""
+        if self.fused is not None:
+            return self._forward_fused(input_ids, positions, meta, kv_caches)
         cfg = self.cfg
+        mm = self.matmul_dtype if self.matmul_dtype != self.embed.dtype else None
         nq, nkv, hd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
         cos, sin = self.rope(positions)
         x = F.embedding(input_ids, self.embed)  # [T, H]
         T = x.shape[0]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
-            qkv = layer["wqkv"](h)  # [T, nq + 2 nkv]
+            qkv = _mm(layer["wqkv"], h, mm)  # [T, nq + 2 nkv]
             q = apply_rope(qkv[:, :nq].view(T, cfg.num_heads, hd), cos, sin)
             k = apply_rope(qkv[:, nq:nq + nkv].view(T, cfg.num_kv_heads, hd), cos, sin)
             v = qkv[:, nq + nkv:].view(T, cfg.num_kv_heads, hd)
             o = paged_attention(q, k, v, k_cache, v_cache, meta)  # [T, n_h, hd]
-            x = x + layer["wo"](o.view(T, nq))
+            x = x + _mm(layer["wo"], o.view(T, nq), mm)
             h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
-            gate, up = layer["w_gate_up"](h).chunk(2, dim=-1)  # [T, I] each
-            x = x + layer["w_down"](F.silu(gate) * up)
+            gate, up = _mm(layer["w_gate_up"], h, mm).chunk(2, dim=-1)  # [T, I] each
+            x = x + _mm(layer["w_down"], F.silu(gate) * up, mm)
         return rms_norm(x, self.norm, cfg.rms_norm_eps)
+
+    def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta,
+                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """The same computation with the elementwise work in the C++ fused ops: per layer,
+        add+norm, QKV, RoPE+cache write, attention, O, add+norm, gate/up, SiLU*up, down. The
+        residual stream x is float32 and updated in place; with bf16 matrix products the norms
+        and SiLU*up emit bf16 directly and the products' bf16 outputs are read as they are."""
+        cfg, ext = self.cfg, self.fused
+        nh, nkv, eps = cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps
+        bf = self.matmul_dtype == torch.bfloat16
+        f = positions.float()[:, None] * self.inv_freq[None, :]  # [T, hd/2]
+        cos, sin = f.cos(), f.sin()
+        x = F.embedding(input_ids, self.embed)  # [T, H], a fresh tensor: safe to update in place
+        T = x.shape[0]
+        delta = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            h = ext.add_rms_norm(x, delta, layer["attn_norm"], eps, bf)
+            qkv = ext.rope_store(layer["wqkv"](h), cos, sin, meta.slot_mapping, k_cache, v_cache, nh, nkv)
+            o = paged_attention(qkv[:, :nh], qkv[:, nh:nh + nkv], qkv[:, nh + nkv:], k_cache, v_cache, meta,
+                                stored=True)
+            delta = layer["wo"](o.view(T, -1).to(self.matmul_dtype))
+            h = ext.add_rms_norm(x, delta, layer["mlp_norm"], eps, bf)
+            delta = layer["w_down"](ext.silu_mul(layer["w_gate_up"](h)))
+        return ext.add_rms_norm(x, delta, self.norm, eps, False)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [S, H] -> [S, V] in float32."""

@@ -1,0 +1,142 @@
+"""Hot-path variants side by side, in one process: the elementwise work per layer in PyTorch
+ops vs the C++ fused ops, and float32 vs bfloat16 matrix products (`--matmul-dtype bfloat16`),
+with the bf16 mode's output quality against float32.
+
+    python -m batchserve.bench.variants --out BENCHMARKS.md      # about 5 minutes, quiet machine
+
+Decode steps of each variant alternate on the same batch (128-token contexts), medians of 7.
+Quality: greedy continuations (64 tokens) of a prompt set, compared token by token with the
+float32 model's; and, feeding both models the float32 continuation (teacher forcing), how often
+their next-token argmax agrees and how far their logits are apart.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import os
+import platform
+import time
+
+import torch
+
+from batchserve.bench.foundation import decode_batch, offline_workload, publish, run_offline
+from batchserve.config import CacheConfig, ModelConfig
+from batchserve.core.kv_cache import KVCacheManager
+from batchserve.runner.attention import AttnMeta
+from batchserve.runner.loader import load_model
+from batchserve.runner.model_runner import ModelRunner
+
+TITLE = "## Hot-path variants: fused layer ops, bf16 matrix products"
+QUESTIONS = [
+    "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis in two sentences.",
+    "List three prime numbers greater than 20.", "Who wrote Romeo and Juliet?", "How do I reverse a list in Python?",
+    "What causes the seasons on Earth?", "Give me a recipe for pancakes.", "Translate 'good morning' into Spanish.",
+    "What is 17 times 23?", "Describe a cat to someone who has never seen one.", "Why is the sky blue?",
+    "Suggest a name for a bakery.", "What is the difference between weather and climate?",
+    "Summarise the plot of Cinderella.", "How many legs does a spider have?", "What is machine learning?",
+    "Write a short apology email for a late reply.", "What are the benefits of exercise?",
+    "Explain what a black hole is.", "Name the planets of the solar system.", "What is the boiling point of water?",
+    "How does a bicycle stay upright?", "Tell me a fun fact about octopuses.",
+]
+
+
+def all_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
+    """float32 logits at every position of one sequence, computed as one prompt."""
+    kv = KVCacheManager(runner.num_blocks, runner.block_size)
+    kv.allocate("x", len(ids))
+    meta = AttnMeta.build([(0, len(ids), kv.block_table("x"))], runner.block_size, runner.device, runner.kernel)
+    with torch.inference_mode():
+        hidden = runner.model(torch.tensor(ids), torch.arange(len(ids)), meta, runner.kv_caches)
+        return runner.model.logits(hidden)
+
+
+def quality(llm32, llm16, max_tokens: int = 64) -> dict:
+    from batchserve.request import SamplingParams
+
+    tok = llm32.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+               for q in QUESTIONS]
+    prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    a = [o.token_ids for o in llm32.generate(prompts, greedy)]
+    b = [o.token_ids for o in llm16.generate(prompts, greedy)]
+    prefix = []
+    for x, y in zip(a, b):
+        n = 0
+        while n < min(len(x), len(y)) and x[n] == y[n]:
+            n += 1
+        prefix.append(n)
+    agree = total = 0
+    rel = []
+    for p, out in zip(prompts, a):
+        seq = p + out
+        l32 = all_logits(llm32.engine.executor, seq)[len(p) - 1:-1]
+        l16 = all_logits(llm16.engine.executor, seq)[len(p) - 1:-1]
+        agree += int((l32.argmax(-1) == l16.argmax(-1)).sum())
+        total += l32.shape[0]
+        rel.append(((l16 - l32).abs().max() / l32.abs().max()).item())
+    return {"prompts": len(prompts), "tokens": max_tokens, "identical": sum(n == max_tokens for n in prefix),
+            "mean_prefix": sum(prefix) / len(prefix), "tf_agree": agree / total, "tf_positions": total,
+            "max_rel": max(rel), "mean_rel": sum(rel) / len(rel)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--batches", default="1,8,32,64,128")
+    ap.add_argument("--requests", type=int, default=64, help="offline workload size (0: skip)")
+    a = ap.parse_args(argv)
+    t_start = time.perf_counter()
+
+    from batchserve.llm import LLM
+
+    engine_kw = dict(kv_cache_gb=2.0, max_num_seqs=64, max_num_batched_tokens=2048)
+    llm32 = LLM(**engine_kw)
+    llm16 = LLM(matmul_dtype="bfloat16", **engine_kw)
+    loaded = load_model(ModelConfig())
+    unfused = ModelRunner(copy.copy(loaded), ModelConfig(), CacheConfig(kv_cache_gb=1.0))
+    unfused.model.fused = None  # same runner, elementwise work back in PyTorch ops (C++ attention kept)
+    runners = {"fp32, PyTorch elementwise ops": unfused, "fp32, fused ops (default)": llm32.engine.executor,
+               "bf16 matmul, fused ops": llm16.engine.executor}
+    rows = ["| decode batch (ctx 128) | " + " | ".join(f"{k} ms (tok/s)" for k in runners) + " | fused / unfused "
+            "| bf16 / fp32 |", "|---" * (len(runners) + 3) + "|"]
+    for b in [int(x) for x in a.batches.split(",")]:
+        batches, kvs = {}, {}
+        for k, r in runners.items():
+            kvs[k] = KVCacheManager(r.num_blocks, r.block_size)
+            batches[k] = decode_batch(kvs[k], b, 128)
+            r.execute(batches[k])  # warm-up
+        ts: dict[str, list[float]] = {k: [] for k in runners}
+        for _ in range(7):
+            for k, r in runners.items():
+                t = time.perf_counter()
+                r.execute(batches[k])
+                ts[k].append(time.perf_counter() - t)
+        med = {k: sorted(v)[3] for k, v in ts.items()}
+        u, f, h = (med[k] for k in runners)
+        rows.append(f"| {b} | " + " | ".join(f"{m * 1e3:.1f} ({b / m:.0f})" for m in med.values())
+                    + f" | {f / u:.2f} | {h / f:.2f} |")
+    del unfused
+    lines = [f"`python -m batchserve.bench.variants`, {datetime.datetime.now():%Y-%m-%d %H:%M}; "
+             f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+             f"{torch.get_num_threads()} threads.", "", *rows]
+    if a.requests:
+        work = offline_workload(a.requests, 0, llm32.engine.executor.cfg.vocab_size)
+        run_offline(llm16, work[:4])
+        r32, r16 = run_offline(llm32, work), run_offline(llm16, work)
+        lines += ["", f"Offline workload ({a.requests} requests, as in the foundation section): fp32 "
+                  f"{r32['tok_s']:.0f} tok/s ({r32['seconds']:.1f} s), bf16 matmul {r16['tok_s']:.0f} tok/s "
+                  f"({r16['seconds']:.1f} s): {r16['tok_s'] / r32['tok_s']:.2f}x."]
+    q = quality(llm32, llm16)
+    lines += ["", f"bf16-matmul quality against fp32, {q['prompts']} chat prompts, greedy, {q['tokens']} tokens: "
+              f"{q['identical']}/{q['prompts']} continuations identical, mean common prefix "
+              f"{q['mean_prefix']:.1f} tokens; fed the fp32 continuation, the next-token argmax agrees at "
+              f"{100 * q['tf_agree']:.1f}% of {q['tf_positions']} positions; largest logit difference "
+              f"{100 * q['max_rel']:.1f}% of the largest |logit| (mean over prompts {100 * q['mean_rel']:.1f}%).",
+              "", f"Whole run {time.perf_counter() - t_start:.0f} s."]
+    return publish(f"{TITLE}\n\n" + "\n".join(lines) + "\n", a.out, TITLE)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
