@@ -165,3 +165,22 @@ def test_stop_strings(llm):
     out = llm.generate("1, 2, 3, 4,", SamplingParams(max_tokens=32, temperature=0.0, stop=["7"]))[0]
     assert out.finish_reason == "stop"
     assert out.text.rstrip().endswith("6,") and "7" not in out.text
+
+
+def test_bf16_matmul_mode_answers_and_mostly_agrees_with_fp32(llm):
+    """--matmul-dtype bfloat16 on the real model: the same demo answer, and greedy decoding that
+    follows the float32 model's for most of a short continuation (bf16 rounding may flip a near tie)."""
+    from batchserve.llm import LLM
+
+    bf = LLM(matmul_dtype="bfloat16", kv_cache_gb=0.05)
+    assert bf.engine.executor.model.layers[0]["w_down"].weight.dtype == torch.bfloat16
+    out = bf.chat([{"role": "user", "content": "What is the capital of France?"}],
+                  SamplingParams(max_tokens=32, temperature=0.0))[0]
+    assert "Paris" in out.text and out.finish_reason == "stop"
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    same = 0
+    for a, b in zip(llm.generate(PROMPTS, params), bf.generate(PROMPTS, params)):
+        assert a.token_ids != [] and len(b.token_ids) == 16
+        same += a.token_ids[:4] == b.token_ids[:4]
+    assert same >= len(PROMPTS) - 2
+    bf.engine.kv.check_all_free()

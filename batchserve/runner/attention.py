@@ -100,17 +100,24 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return meta.kernel.paged_decode(q, k_cache, v_cache, meta.dec_tables, meta.dec_lens,
                                         meta.block_size, hd ** -0.5)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    g = n_h // k.shape[1]
     for sp in meta.prefills:
-        qs = q[sp.start:sp.end].transpose(0, 1)  # [n_h, n, hd]
+        # 4-D inputs with the kv heads repeated: SDPA's `enable_gqa` and 3-D inputs both send the CPU
+        # to its unfused math path (the whole score matrix, a dozen ops), 10-30x slower at 256-512
+        # tokens than the flash kernel this shape gets (BENCHMARKS.md).
+        qs = q[sp.start:sp.end].transpose(0, 1)[None]  # [1, n_h, n, hd]
         if sp.ctx_slots is None:
-            ks = k[sp.start:sp.end].transpose(0, 1)  # [n_kv, n, hd]
-            vs = v[sp.start:sp.end].transpose(0, 1)
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+            ks, vs = k[sp.start:sp.end], v[sp.start:sp.end]  # [n, n_kv, hd]
         else:
-            ks = k_cache.index_select(0, sp.ctx_slots).transpose(0, 1)  # [n_kv, ctx, hd]
-            vs = v_cache.index_select(0, sp.ctx_slots).transpose(0, 1)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=sp.mask, enable_gqa=True)
-        out[sp.start:sp.end] = o.transpose(0, 1)
+            ks, vs = k_cache.index_select(0, sp.ctx_slots), v_cache.index_select(0, sp.ctx_slots)  # [ctx, n_kv, hd]
+        if g > 1:
+            ks, vs = ks.repeat_interleave(g, dim=1), vs.repeat_interleave(g, dim=1)
+        ks, vs = ks.transpose(0, 1)[None], vs.transpose(0, 1)[None]  # [1, n_h, ctx, hd]
+        if sp.ctx_slots is None:
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+        else:
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=sp.mask)
+        out[sp.start:sp.end] = o[0].transpose(0, 1)
     if meta.dec_rows is not None:
         qd = q[meta.dec_lo:meta.dec_hi] if meta.dec_contiguous else q[meta.dec_rows]  # [Bd, n_h, hd]
         if meta.kernel is not None:  # reads each cached K/V element once, no gathered copy
