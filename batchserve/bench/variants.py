@@ -21,6 +21,7 @@ import time
 import torch
 
 from batchserve.bench.foundation import decode_batch, offline_workload, publish, run_offline
+from batchserve.bench.roofline import decode_ceiling, measure_machine
 from batchserve.config import CacheConfig, ModelConfig
 from batchserve.core.kv_cache import KVCacheManager
 from batchserve.runner.attention import AttnMeta
@@ -99,8 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     unfused.model.fused = None  # same runner, elementwise work back in PyTorch ops (C++ attention kept)
     runners = {"fp32, PyTorch elementwise ops": unfused, "fp32, fused ops (default)": llm32.engine.executor,
                "bf16 matmul, fused ops": llm16.engine.executor}
+    cfg = llm32.engine.executor.cfg
+    mach = measure_machine(cfg)
     rows = ["| decode batch (ctx 128) | " + " | ".join(f"{k} ms (tok/s)" for k in runners) + " | fused / unfused "
-            "| bf16 / fp32 |", "|---" * (len(runners) + 3) + "|"]
+            "| bf16 / fp32 | fp32 ceiling tok/s | fused fp32, bf16: % of it |", "|---" * (len(runners) + 5) + "|"]
     for b in [int(x) for x in a.batches.split(",")]:
         batches, kvs = {}, {}
         for k, r in runners.items():
@@ -115,12 +118,14 @@ def main(argv: list[str] | None = None) -> int:
                 ts[k].append(time.perf_counter() - t)
         med = {k: sorted(v)[3] for k, v in ts.items()}
         u, f, h = (med[k] for k in runners)
+        ceil = decode_ceiling(cfg, mach, b, 128)
         rows.append(f"| {b} | " + " | ".join(f"{m * 1e3:.1f} ({b / m:.0f})" for m in med.values())
-                    + f" | {f / u:.2f} | {h / f:.2f} |")
+                    + f" | {f / u:.2f} | {h / f:.2f} | {ceil:.0f} | {100 * b / f / ceil:.0f}%, {100 * b / h / ceil:.0f}% |")
     del unfused
     lines = [f"`python -m batchserve.bench.variants`, {datetime.datetime.now():%Y-%m-%d %H:%M}; "
              f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-             f"{torch.get_num_threads()} threads.", "", *rows]
+             f"{torch.get_num_threads()} threads; fp32 matmul peak at the model's shapes "
+             f"{mach.peak_gflops:.0f} GFLOP/s, memory {mach.bandwidth_gbs:.1f} GB/s.", "", *rows]
     if a.requests:
         work = offline_workload(a.requests, 0, llm32.engine.executor.cfg.vocab_size)
         run_offline(llm16, work[:4])
