@@ -26,6 +26,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "KV cache and LM head (auto: as --dtype)")
     g = p.add_argument_group("kv cache")
     g.add_argument("--kv-cache-gb", type=float, default=CacheConfig.kv_cache_gb)
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="KV cache storage (auto: as --dtype); bfloat16 halves the bytes per token")
     g.add_argument("--block-size", type=int, default=CacheConfig.block_size)
     g.add_argument("--num-blocks", type=int, default=None, help="override the pool size")
     g.add_argument("--prefix-caching", action="store_true")
@@ -81,7 +83,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
                           linear_backend=getattr(a, "linear_backend", "auto"),
                           matmul_dtype=getattr(a, "matmul_dtype", "auto")),
         cache=CacheConfig(block_size=a.block_size, kv_cache_gb=a.kv_cache_gb, num_blocks=a.num_blocks,
-                          prefix_caching=a.prefix_caching),
+                          prefix_caching=a.prefix_caching, kv_cache_dtype=getattr(a, "kv_cache_dtype", "auto")),
         scheduler=SchedulerConfig(policy=a.policy, max_num_seqs=a.max_num_seqs,
                                   max_num_batched_tokens=a.max_num_batched_tokens, chunk_size=a.chunk_size,
                                   window_ms=a.window_ms, max_batch=a.max_batch,

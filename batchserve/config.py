@@ -60,11 +60,21 @@ class CacheConfig:
     kv_cache_gb: float = 1.0
     num_blocks: int | None = None
     prefix_caching: bool = False
+    # auto: the model's dtype; bfloat16: K/V stored in bf16 (half the bytes, twice the tokens per GB;
+    # attention math stays in the model's dtype)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _check(self.block_size >= 1, "block_size", "must be >= 1")
+        _check(self.kv_cache_dtype in ("auto",) + _DTYPES, "kv_cache_dtype",
+               f"must be auto or one of {_DTYPES}, got {self.kv_cache_dtype!r}")
         _check(self.kv_cache_gb > 0, "kv_cache_gb", "must be > 0")
         _check(self.num_blocks is None or self.num_blocks >= 1, "num_blocks", "must be >= 1")
+
+
+def kv_cache_dtype_name(model: ModelConfig, cache: CacheConfig) -> str:
+    """The dtype the KV cache is stored in."""
+    return model.dtype if cache.kv_cache_dtype == "auto" else cache.kv_cache_dtype
 
 
 @dataclass(frozen=True)

@@ -89,9 +89,9 @@ def test_silu_mul(ext, dtype):
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
 
 
-def _runner(loaded, **kw) -> ModelRunner:
+def _runner(loaded, kv_cache_dtype: str = "auto", **kw) -> ModelRunner:
     return ModelRunner(copy.copy(loaded), ModelConfig(model="dummy", dummy_config=TINY_MODEL, **kw),
-                       CacheConfig(block_size=4, num_blocks=64))
+                       CacheConfig(block_size=4, num_blocks=64, kv_cache_dtype=kv_cache_dtype))
 
 
 def _three_steps(runner: ModelRunner) -> list[torch.Tensor]:
@@ -138,3 +138,20 @@ def test_matmul_dtype_is_validated():
     with pytest.raises(ConfigError, match="matmul_dtype"):
         ModelConfig(dtype="float16", matmul_dtype="bfloat16")
     assert ModelConfig(matmul_dtype="bfloat16").matmul_dtype == "bfloat16"
+
+
+def test_bf16_kv_cache_matches_across_paths_and_doubles_capacity():
+    loaded = load_model(ModelConfig(model="dummy", dummy_config=TINY_MODEL))
+    mcfg = ModelConfig(model="dummy", dummy_config=TINY_MODEL)
+    fp32 = ModelRunner(copy.copy(loaded), mcfg, CacheConfig(kv_cache_gb=0.01))
+    half = ModelRunner(copy.copy(loaded), mcfg, CacheConfig(kv_cache_gb=0.01, kv_cache_dtype="bfloat16"))
+    assert half.kv_caches[0][0].dtype == torch.bfloat16
+    assert half.num_blocks // 2 == fp32.num_blocks  # same memory, twice the tokens
+    ref = _three_steps(_runner(loaded))
+    plain = _three_steps(_runner(loaded, attention_backend="torch", kv_cache_dtype="bfloat16"))
+    fast = _three_steps(_runner(loaded, kv_cache_dtype="bfloat16"))
+    for r, a, b in zip(ref, plain, fast):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)  # both paths store the same bf16 values
+        assert 0 < (a - r).abs().max() < 0.05 * r.abs().max()
+    with pytest.raises(ConfigError, match="kv_cache_dtype"):
+        CacheConfig(kv_cache_dtype="int8")

@@ -1,6 +1,6 @@
 """Hot-path variants side by side, in one process: the elementwise work per layer in PyTorch
-ops vs the C++ fused ops, and float32 vs bfloat16 matrix products (`--matmul-dtype bfloat16`),
-with the bf16 mode's output quality against float32.
+ops vs the C++ fused ops, float32 vs bfloat16 matrix products (`--matmul-dtype bfloat16`) and
+KV cache (`--kv-cache-dtype bfloat16`), with each bf16 variant's output quality against float32.
 
     python -m batchserve.bench.variants --out BENCHMARKS.md      # about 5 minutes, quiet machine
 
@@ -28,7 +28,7 @@ from batchserve.runner.attention import AttnMeta
 from batchserve.runner.loader import load_model
 from batchserve.runner.model_runner import ModelRunner
 
-TITLE = "## Hot-path variants: fused layer ops, bf16 matrix products"
+TITLE = "## Hot-path variants: fused layer ops, bf16 matrix products, bf16 KV cache"
 QUESTIONS = [
     "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis in two sentences.",
     "List three prime numbers greater than 20.", "Who wrote Romeo and Juliet?", "How do I reverse a list in Python?",
@@ -53,6 +53,7 @@ def all_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
 
 
 def quality(llm32, llm16, max_tokens: int = 64) -> dict:
+    """How closely `llm16` follows the reference `llm32` (see the module docstring)."""
     from batchserve.request import SamplingParams
 
     tok = llm32.tokenizer
@@ -82,10 +83,35 @@ def quality(llm32, llm16, max_tokens: int = 64) -> dict:
             "max_rel": max(rel), "mean_rel": sum(rel) / len(rel)}
 
 
+VARIANTS = {  # name -> LLM options (the fp32 default first: everything is compared with it)
+    "fp32, fused ops (default)": {},
+    "fp32 + bf16 KV cache": {"kv_cache_dtype": "bfloat16"},
+    "bf16 matmul": {"matmul_dtype": "bfloat16"},
+    "bf16 matmul + bf16 KV cache": {"matmul_dtype": "bfloat16", "kv_cache_dtype": "bfloat16"},
+}
+UNFUSED = "fp32, PyTorch elementwise ops"
+
+
+def time_steps(runners: dict[str, ModelRunner], batch: int, ctx: int, reps: int = 7) -> dict[str, float]:
+    """Median decode-step seconds of each runner, the runners alternating on the same batch."""
+    batches = {}
+    for k, r in runners.items():
+        batches[k] = decode_batch(KVCacheManager(r.num_blocks, r.block_size), batch, ctx)
+        r.execute(batches[k])  # warm-up
+    ts: dict[str, list[float]] = {k: [] for k in runners}
+    for _ in range(reps):
+        for k, r in runners.items():
+            t = time.perf_counter()
+            r.execute(batches[k])
+            ts[k].append(time.perf_counter() - t)
+    return {k: sorted(v)[reps // 2] for k, v in ts.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--batches", default="1,8,32,64,128")
+    ap.add_argument("--cases", default="1x128,8x128,32x128,64x128,128x128,32x512",
+                    help="decode cases, batch x context")
     ap.add_argument("--requests", type=int, default=64, help="offline workload size (0: skip)")
     a = ap.parse_args(argv)
     t_start = time.perf_counter()
@@ -93,53 +119,51 @@ def main(argv: list[str] | None = None) -> int:
     from batchserve.llm import LLM
 
     engine_kw = dict(kv_cache_gb=2.0, max_num_seqs=64, max_num_batched_tokens=2048)
-    llm32 = LLM(**engine_kw)
-    llm16 = LLM(matmul_dtype="bfloat16", **engine_kw)
-    loaded = load_model(ModelConfig())
-    unfused = ModelRunner(copy.copy(loaded), ModelConfig(), CacheConfig(kv_cache_gb=1.0))
+    llms = {name: LLM(**engine_kw, **kw) for name, kw in VARIANTS.items()}
+    base = next(iter(llms.values()))
+    unfused = ModelRunner(copy.copy(load_model(ModelConfig())), ModelConfig(), CacheConfig(kv_cache_gb=1.0))
     unfused.model.fused = None  # same runner, elementwise work back in PyTorch ops (C++ attention kept)
-    runners = {"fp32, PyTorch elementwise ops": unfused, "fp32, fused ops (default)": llm32.engine.executor,
-               "bf16 matmul, fused ops": llm16.engine.executor}
-    cfg = llm32.engine.executor.cfg
+    runners = {UNFUSED: unfused, **{k: v.engine.executor for k, v in llms.items()}}
+    cfg = base.engine.executor.cfg
     mach = measure_machine(cfg)
-    rows = ["| decode batch (ctx 128) | " + " | ".join(f"{k} ms (tok/s)" for k in runners) + " | fused / unfused "
-            "| bf16 / fp32 | fp32 ceiling tok/s | fused fp32, bf16: % of it |", "|---" * (len(runners) + 5) + "|"]
-    for b in [int(x) for x in a.batches.split(",")]:
-        batches, kvs = {}, {}
-        for k, r in runners.items():
-            kvs[k] = KVCacheManager(r.num_blocks, r.block_size)
-            batches[k] = decode_batch(kvs[k], b, 128)
-            r.execute(batches[k])  # warm-up
-        ts: dict[str, list[float]] = {k: [] for k in runners}
-        for _ in range(7):
-            for k, r in runners.items():
-                t = time.perf_counter()
-                r.execute(batches[k])
-                ts[k].append(time.perf_counter() - t)
-        med = {k: sorted(v)[3] for k, v in ts.items()}
-        u, f, h = (med[k] for k in runners)
-        ceil = decode_ceiling(cfg, mach, b, 128)
-        rows.append(f"| {b} | " + " | ".join(f"{m * 1e3:.1f} ({b / m:.0f})" for m in med.values())
-                    + f" | {f / u:.2f} | {h / f:.2f} | {ceil:.0f} | {100 * b / f / ceil:.0f}%, {100 * b / h / ceil:.0f}% |")
-    del unfused
+    cases = [tuple(int(x) for x in c.split("x")) for c in a.cases.split(",")]
+    res = {c: time_steps(runners, *c) for c in cases}
+    head = "| variant | " + " | ".join(f"B={b}, ctx {c}" for b, c in cases) + " |"
+    rows = [head, "|---" * (len(cases) + 1) + "|",
+            "| fp32 ceiling tok/s | " + " | ".join(f"{decode_ceiling(cfg, mach, b, c):.0f}" for b, c in cases) + " |"]
+    for k in runners:
+        cells = []
+        for (b, c) in cases:
+            t = res[(b, c)][k]
+            cells.append(f"{t * 1e3:.1f} ms, {b / t:.0f} tok/s ({100 * b / t / decode_ceiling(cfg, mach, b, c):.0f}%)")
+        rows.append(f"| {k} | " + " | ".join(cells) + " |")
+    del unfused, runners
     lines = [f"`python -m batchserve.bench.variants`, {datetime.datetime.now():%Y-%m-%d %H:%M}; "
              f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
              f"{torch.get_num_threads()} threads; fp32 matmul peak at the model's shapes "
-             f"{mach.peak_gflops:.0f} GFLOP/s, memory {mach.bandwidth_gbs:.1f} GB/s.", "", *rows]
+             f"{mach.peak_gflops:.0f} GFLOP/s, memory {mach.bandwidth_gbs:.1f} GB/s.", "",
+             "Decode step time, tokens/s and share of the fp32 ceiling (medians of 7, variants alternating):", "",
+             *rows]
     if a.requests:
-        work = offline_workload(a.requests, 0, llm32.engine.executor.cfg.vocab_size)
-        run_offline(llm16, work[:4])
-        r32, r16 = run_offline(llm32, work), run_offline(llm16, work)
-        lines += ["", f"Offline workload ({a.requests} requests, as in the foundation section): fp32 "
-                  f"{r32['tok_s']:.0f} tok/s ({r32['seconds']:.1f} s), bf16 matmul {r16['tok_s']:.0f} tok/s "
-                  f"({r16['seconds']:.1f} s): {r16['tok_s'] / r32['tok_s']:.2f}x."]
-    q = quality(llm32, llm16)
-    lines += ["", f"bf16-matmul quality against fp32, {q['prompts']} chat prompts, greedy, {q['tokens']} tokens: "
-              f"{q['identical']}/{q['prompts']} continuations identical, mean common prefix "
-              f"{q['mean_prefix']:.1f} tokens; fed the fp32 continuation, the next-token argmax agrees at "
-              f"{100 * q['tf_agree']:.1f}% of {q['tf_positions']} positions; largest logit difference "
-              f"{100 * q['max_rel']:.1f}% of the largest |logit| (mean over prompts {100 * q['mean_rel']:.1f}%).",
-              "", f"Whole run {time.perf_counter() - t_start:.0f} s."]
+        work = offline_workload(a.requests, 0, cfg.vocab_size)
+        runs = {}
+        for k, llm in llms.items():
+            run_offline(llm, work[:4])  # warm-up
+            runs[k] = run_offline(llm, work)
+        b0 = runs[next(iter(runs))]["tok_s"]
+        lines += ["", f"Offline workload ({a.requests} requests, as in the foundation section): "
+                  + "; ".join(f"{k} {r['tok_s']:.0f} tok/s ({r['seconds']:.1f} s, {r['tok_s'] / b0:.2f}x)"
+                              for k, r in runs.items()) + "."]
+    lines += ["", "Quality against the fp32 model (24 chat prompts, greedy, 64 tokens; teacher-forced: both "
+              "models fed the fp32 continuation):", "",
+              "| variant | identical continuations | mean common prefix | next-token argmax agrees | largest "
+              "logit difference (mean over prompts), % of the largest logit |", "|---|---|---|---|---|"]
+    for k, llm in list(llms.items())[1:]:
+        q = quality(base, llm)
+        lines.append(f"| {k} | {q['identical']}/{q['prompts']} | {q['mean_prefix']:.1f} tokens | "
+                     f"{100 * q['tf_agree']:.1f}% of {q['tf_positions']} | {100 * q['max_rel']:.1f} "
+                     f"({100 * q['mean_rel']:.1f}) |")
+    lines += ["", f"Whole run {time.perf_counter() - t_start:.0f} s."]
     return publish(f"{TITLE}\n\n" + "\n".join(lines) + "\n", a.out, TITLE)
 
 

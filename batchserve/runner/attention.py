@@ -93,8 +93,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     (unless `stored`: the caller already did), then returns the attention output [T, n_h, hd]."""
     T, n_h, hd = q.shape
     if not stored:
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     if (meta.kernel is not None and not meta.prefills and meta.dec_contiguous
             and meta.dec_hi - meta.dec_lo == T):  # a pure decode step: the kernel's output is the answer
         return meta.kernel.paged_decode(q, k_cache, v_cache, meta.dec_tables, meta.dec_lens,
@@ -109,7 +109,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if sp.ctx_slots is None:
             ks, vs = k[sp.start:sp.end], v[sp.start:sp.end]  # [n, n_kv, hd]
         else:
-            ks, vs = k_cache.index_select(0, sp.ctx_slots), v_cache.index_select(0, sp.ctx_slots)  # [ctx, n_kv, hd]
+            ks = k_cache.index_select(0, sp.ctx_slots).to(q.dtype)  # [ctx, n_kv, hd]
+            vs = v_cache.index_select(0, sp.ctx_slots).to(q.dtype)
         if g > 1:
             ks, vs = ks.repeat_interleave(g, dim=1), vs.repeat_interleave(g, dim=1)
         ks, vs = ks.transpose(0, 1)[None], vs.transpose(0, 1)[None]  # [1, n_h, ctx, hd]
@@ -140,7 +141,7 @@ def _decode_torch(qd: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     qd = qd.reshape(bd, n_kv, g, hd)  # the g query heads sharing a kv head act as g query rows
     tmax = meta.dec_slots.shape[1]
     # index_select on the flat slot list is several times faster than 2-D advanced indexing here
-    kd = k_cache.index_select(0, meta.dec_slots_flat).view(bd, tmax, n_kv, hd).transpose(1, 2)
-    vd = v_cache.index_select(0, meta.dec_slots_flat).view(bd, tmax, n_kv, hd).transpose(1, 2)
+    kd = k_cache.index_select(0, meta.dec_slots_flat).to(qd.dtype).view(bd, tmax, n_kv, hd).transpose(1, 2)
+    vd = v_cache.index_select(0, meta.dec_slots_flat).to(qd.dtype).view(bd, tmax, n_kv, hd).transpose(1, 2)
     o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.dec_mask)  # [Bd, n_kv, g, hd]
     return o.reshape(bd, n_h, hd)

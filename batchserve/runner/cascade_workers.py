@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from batchserve.config import EngineConfig
+from batchserve.config import EngineConfig, kv_cache_dtype_name
 from batchserve.core.batch import ScheduledBatch, StepOutput
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class CascadeWorkersExecutor:
         del loaded
         c = self.cfg
         self.block_size = config.cache.block_size
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[config.model.dtype]
+        dtype = getattr(torch, kv_cache_dtype_name(config.model, config.cache))
         self._staging = torch.zeros((STAGING_BLOCKS, c.num_layers, 2, self.block_size, c.num_kv_heads, c.head_dim),
                                     dtype=dtype).share_memory_()
         self.block_bytes = self._staging[0].numel() * self._staging.element_size()

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from batchserve.config import CacheConfig, ModelConfig
+from batchserve.config import CacheConfig, ModelConfig, kv_cache_dtype_name
 from batchserve.core.batch import ScheduledBatch, StepOutput
 from batchserve.runner.attention import AttnMeta
 from batchserve.runner.kernels import fused_ops_ext, paged_attention_ext
@@ -31,7 +31,9 @@ class ModelRunner:
         self.device = torch.device(model_cfg.device)
         self.cfg = loaded.config
         dtype = loaded.weights["model.embed_tokens.weight"].dtype
-        cpp_ok = model_cfg.attention_backend != "torch" and self.device.type == "cpu" and dtype == torch.float32
+        self.kv_dtype = getattr(torch, kv_cache_dtype_name(model_cfg, cache_cfg))
+        cpp_ok = (model_cfg.attention_backend != "torch" and self.device.type == "cpu" and dtype == torch.float32
+                  and self.kv_dtype in (torch.float32, torch.bfloat16))
         fused = fused_ops_ext() if cpp_ok else None
         self.kernel = paged_attention_ext() if cpp_ok else None
         if model_cfg.attention_backend == "cpp" and (self.kernel is None or fused is None):
@@ -40,16 +42,16 @@ class ModelRunner:
         self.model = LlamaModel(loaded.config, loaded.weights, model_cfg.linear_backend, mm, fused)
         self.dtype = self.model.embed.dtype
         self.block_size = cache_cfg.block_size
-        per_block = kv_bytes_per_block(self.cfg, self.block_size, self.dtype)
+        per_block = kv_bytes_per_block(self.cfg, self.block_size, self.kv_dtype)
         self.num_blocks = cache_cfg.num_blocks or max(1, int(cache_cfg.kv_cache_gb * 2**30) // per_block)
         slots = self.num_blocks * self.block_size
         shape = (slots, self.cfg.num_kv_heads, self.cfg.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+        self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
                           for _ in range(self.cfg.num_layers)]
         self.generator = torch.Generator(device=self.device).manual_seed(model_cfg.seed)
-        log.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB)", self.num_blocks,
-                 self.block_size, slots, self.num_blocks * per_block / 2**30)
+        log.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s)", self.num_blocks,
+                 self.block_size, slots, self.num_blocks * per_block / 2**30, str(self.kv_dtype).split(".")[-1])
 
     @property
     def max_model_len(self) -> int:
@@ -104,7 +106,7 @@ class ModelRunner:
         if tuple(kv.shape) != expect:
             raise ValueError(f"KV hand-off: shape {tuple(kv.shape)} does not match this model's {expect}")
         slots = self._slots(block_table, n)
-        kv = kv.to(device=self.device, dtype=self.dtype)
+        kv = kv.to(device=self.device, dtype=self.kv_dtype)
         with torch.inference_mode():
             for layer, (k, v) in enumerate(self.kv_caches):
                 k.index_copy_(0, slots, kv[layer, 0])

@@ -112,8 +112,18 @@ torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> delta, 
 
 namespace {
 
-template <typename In>
-void rope_store_rows(const In* qkv, const float* cos, const float* sin, const int64_t* slots, float* kc, float* vc,
+// One token's K or V row into the cache, as float32 or bfloat16.
+template <typename C>
+inline void store_row(C* dst, const float* src, int64_t n) {
+  if constexpr (std::is_same<C, uint16_t>::value) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = f2bf(src[i]);
+  } else {
+    std::memcpy(dst, src, n * sizeof(float));
+  }
+}
+
+template <typename In, typename C>
+void rope_store_rows(const In* qkv, const float* cos, const float* sin, const int64_t* slots, C* kc, C* vc,
                      float* out, int64_t T, int64_t nh, int64_t nkv, int64_t hd) {
   const int64_t half = hd / 2, width = (nh + 2 * nkv) * hd, row = nkv * hd;
   auto load = [](In v) -> float {
@@ -138,8 +148,8 @@ void rope_store_rows(const In* qkv, const float* cos, const float* sin, const in
       float* vo = dst + (nh + nkv) * hd;
       for (int64_t i = 0; i < row; ++i) vo[i] = load(v[i]);
       const int64_t slot = slots[t];
-      std::memcpy(kc + slot * row, dst + nh * hd, row * sizeof(float));
-      std::memcpy(vc + slot * row, vo, row * sizeof(float));
+      store_row(kc + slot * row, dst + nh * hd, row);
+      store_row(vc + slot * row, vo, row);
     }
   });
 }
@@ -147,8 +157,8 @@ void rope_store_rows(const In* qkv, const float* cos, const float* sin, const in
 }  // namespace
 
 // qkv: [T, (nh + 2 nkv) * hd] float32 or bfloat16, the fused QKV product; cos, sin: [T, hd/2]
-// float32; slots: [T] int64. Applies RoPE to q and k, writes k and v into the float32 caches
-// ([slots, nkv, hd]) at `slots`, and returns q, k, v as one float32 tensor [T, nh + 2 nkv, hd].
+// float32; slots: [T] int64. Applies RoPE to q and k, writes k and v into the caches ([slots, nkv,
+// hd], float32 or bfloat16) at `slots`, and returns q, k, v as one float32 tensor [T, nh + 2 nkv, hd].
 torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
                          torch::Tensor k_cache, torch::Tensor v_cache, int64_t nh, int64_t nkv) {
   check_rows(qkv, "rope_store qkv");
@@ -156,10 +166,11 @@ torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
   TORCH_CHECK(qkv.size(1) % (nh + 2 * nkv) == 0, "rope_store: qkv width is not (nh + 2 nkv) * hd");
   const int64_t hd = qkv.size(1) / (nh + 2 * nkv);
   TORCH_CHECK(hd % 2 == 0, "rope_store: head_dim must be even");
-  TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32 && v_cache.scalar_type() == torch::kFloat32 &&
-                  k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(1) == nkv &&
+  const auto cdt = k_cache.scalar_type();
+  TORCH_CHECK((cdt == torch::kFloat32 || cdt == torch::kBFloat16) && v_cache.scalar_type() == cdt &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3 && k_cache.size(1) == nkv &&
                   k_cache.size(2) == hd && v_cache.sizes() == k_cache.sizes(),
-              "rope_store: caches must be contiguous float32 [slots, nkv, hd]");
+              "rope_store: caches must be contiguous [slots, nkv, hd], both float32 or both bfloat16");
   cos = cos.contiguous().to(torch::kFloat32);
   sin = sin.contiguous().to(torch::kFloat32);
   slots = slots.contiguous();
@@ -169,12 +180,20 @@ torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < nslots, "rope_store: slot out of range");
   auto out = torch::empty({T, nh + 2 * nkv, hd}, qkv.options().dtype(torch::kFloat32));
-  if (qkv.scalar_type() == torch::kBFloat16)
-    rope_store_rows(static_cast<const uint16_t*>(qkv.data_ptr()), cos.data_ptr<float>(), sin.data_ptr<float>(), sp,
-                    k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<float>(), T, nh, nkv, hd);
-  else
-    rope_store_rows(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), sp,
-                    k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<float>(), T, nh, nkv, hd);
+  const float* c = cos.data_ptr<float>();
+  const float* s = sin.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const bool in_bf = qkv.scalar_type() == torch::kBFloat16, cache_bf = cdt == torch::kBFloat16;
+  const auto* qb = static_cast<const uint16_t*>(qkv.data_ptr());
+  const auto* qf = static_cast<const float*>(qkv.data_ptr());
+  auto* kb = static_cast<uint16_t*>(k_cache.data_ptr());
+  auto* vb = static_cast<uint16_t*>(v_cache.data_ptr());
+  auto* kf = static_cast<float*>(k_cache.data_ptr());
+  auto* vf = static_cast<float*>(v_cache.data_ptr());
+  if (in_bf && cache_bf) rope_store_rows(qb, c, s, sp, kb, vb, o, T, nh, nkv, hd);
+  else if (in_bf) rope_store_rows(qb, c, s, sp, kf, vf, o, T, nh, nkv, hd);
+  else if (cache_bf) rope_store_rows(qf, c, s, sp, kb, vb, o, T, nh, nkv, hd);
+  else rope_store_rows(qf, c, s, sp, kf, vf, o, T, nh, nkv, hd);
   return out;
 }
 
