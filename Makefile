@@ -38,6 +38,8 @@ bench-engine: $(STAMP)
 	$(PY) -m batchserve.bench.policies --out BENCHMARKS.md
 	$(PY) -m batchserve.sim.fidelity --requests 60 --scale 0.5 --out BENCHMARKS.md
 	$(PY) -m batchserve.bench.matmul_variants --out BENCHMARKS.md
+	$(PY) -m batchserve.bench.variants --out BENCHMARKS.md
+	$(PY) -m batchserve.bench.attention_kernel --out BENCHMARKS.md
 	$(PY) -m batchserve.bench.http_offline --out BENCHMARKS.md
 	$(PY) -m batchserve.sim.speed
 	$(PY) -m batchserve.sim.cluster --out BENCHMARKS.md

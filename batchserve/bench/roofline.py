@@ -47,17 +47,19 @@ class Machine:
     threads: int
 
 
-def measure_machine(cfg: LlamaConfig, rows: tuple[int, ...] = (1, 8, 32, 64, 128, 512), reps: int = 5) -> Machine:
+def measure_machine(cfg: LlamaConfig, rows: tuple[int, ...] = (1, 8, 32, 64, 128, 512), reps: int = 5,
+                    dtype: torch.dtype = torch.float32) -> Machine:
     """Matmul rate at the model's real shapes and footprint (every layer's four matrices,
     distinct tensors, so the weights stream from memory as in a real step) for M rows, and
-    memory bandwidth (a read of a buffer far larger than any cache)."""
+    memory bandwidth (a read of a buffer far larger than any cache). `dtype`: of the weights
+    and activations (bfloat16: the rate the --matmul-dtype bfloat16 mode can reach)."""
     shapes = layer_shapes(cfg)
     packed = onednn_linear_ok(torch.zeros(1))  # the fastest path here, as the model uses it
-    weights = [[Linear(torch.randn(o, i), packed) for i, o in shapes] for _ in range(cfg.num_layers)]
+    weights = [[Linear(torch.randn(o, i).to(dtype), packed) for i, o in shapes] for _ in range(cfg.num_layers)]
     rates: dict[int, float] = {}
     with torch.inference_mode():
         for m in rows:
-            xs = [torch.randn(m, i) for i, _ in shapes]
+            xs = [torch.randn(m, i).to(dtype) for i, _ in shapes]
 
             def run() -> None:
                 for layer in weights:
@@ -74,12 +76,17 @@ def measure_machine(cfg: LlamaConfig, rows: tuple[int, ...] = (1, 8, 32, 64, 128
     return Machine(rates, max(rates.values()), bw, torch.get_num_threads())
 
 
-def decode_ceiling(cfg: LlamaConfig, mach: Machine, batch: int, ctx: int, elem: int = 4) -> float:
-    """Ceiling tokens/s for one decode step of `batch` sequences with `ctx` tokens of context."""
-    lin = linear_params(cfg) + cfg.vocab_size * cfg.hidden_size  # LM head runs for every decode
+def decode_ceiling(cfg: LlamaConfig, mach: Machine, batch: int, ctx: int, elem: int = 4,
+                   w_elem: int | None = None) -> float:
+    """Ceiling tokens/s for one decode step of `batch` sequences with `ctx` tokens of context.
+    `elem`: bytes per KV element (and per weight); `w_elem`: bytes per decoder-layer weight when
+    it differs (2 with bf16 matrix products; the LM head stays at `elem`)."""
+    head = cfg.vocab_size * cfg.hidden_size  # LM head runs for every decode
+    lin = linear_params(cfg) + head
     flops = 2 * batch * lin + 4 * batch * ctx * cfg.num_layers * cfg.num_heads * cfg.head_dim
     kv_bytes = batch * ctx * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
-    t = max(flops / (mach.peak_gflops * 1e9), (lin * elem + kv_bytes) / (mach.bandwidth_gbs * 1e9))
+    w_bytes = linear_params(cfg) * (w_elem or elem) + head * 4
+    t = max(flops / (mach.peak_gflops * 1e9), (w_bytes + kv_bytes) / (mach.bandwidth_gbs * 1e9))
     return batch / t
 
 

@@ -24,7 +24,6 @@ from batchserve.bench.foundation import decode_batch, offline_workload, publish,
 from batchserve.bench.roofline import decode_ceiling, measure_machine
 from batchserve.config import CacheConfig, ModelConfig
 from batchserve.core.kv_cache import KVCacheManager
-from batchserve.runner.attention import AttnMeta
 from batchserve.runner.loader import load_model
 from batchserve.runner.model_runner import ModelRunner
 
@@ -42,14 +41,30 @@ QUESTIONS = [
 ]
 
 
-def all_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
-    """float32 logits at every position of one sequence, computed as one prompt."""
+def forced_logits(runner: ModelRunner, prompts: list[list[int]], forced: list[list[int]]) -> list[torch.Tensor]:
+    """Per prompt, the float32 logits [len(forced), V] at each output position when the model is
+    fed `forced` (teacher forcing) through the engine's own path: one prefill step, then one
+    decode step per token, so the KV cache (and its dtype) is read as in serving."""
+    from batchserve.core.batch import ScheduledBatch, ScheduledSeq
+    from batchserve.request import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0)
     kv = KVCacheManager(runner.num_blocks, runner.block_size)
-    kv.allocate("x", len(ids))
-    meta = AttnMeta.build([(0, len(ids), kv.block_table("x"))], runner.block_size, runner.device, runner.kernel)
-    with torch.inference_mode():
-        hidden = runner.model(torch.tensor(ids), torch.arange(len(ids)), meta, runner.kv_caches)
-        return runner.model.logits(hidden)
+    ids = [f"q{i}" for i in range(len(prompts))]
+    for rid, p, f in zip(ids, prompts, forced):
+        kv.allocate(rid, len(p) + len(f))
+    out: list[list[torch.Tensor]] = [[] for _ in prompts]
+    steps = [[(p, 0) for p in prompts]] + [[([f[j]], len(p) + j) for p, f in zip(prompts, forced)]
+                                           for j in range(len(forced[0]) - 1)]
+    for step in steps:
+        seqs = [ScheduledSeq(rid, toks, start, kv.block_table(rid), True, greedy, 0)
+                for rid, (toks, start) in zip(ids, step)]
+        logits = runner.compute_logits(ScheduledBatch(seqs))
+        for i in range(len(prompts)):
+            out[i].append(logits[i])
+    for rid in ids:
+        kv.free(rid)
+    return [torch.stack(x) for x in out]
 
 
 def quality(llm32, llm16, max_tokens: int = 64) -> dict:
@@ -69,12 +84,11 @@ def quality(llm32, llm16, max_tokens: int = 64) -> dict:
         while n < min(len(x), len(y)) and x[n] == y[n]:
             n += 1
         prefix.append(n)
+    l32s = forced_logits(llm32.engine.executor, prompts, a)
+    l16s = forced_logits(llm16.engine.executor, prompts, a)
     agree = total = 0
     rel = []
-    for p, out in zip(prompts, a):
-        seq = p + out
-        l32 = all_logits(llm32.engine.executor, seq)[len(p) - 1:-1]
-        l16 = all_logits(llm16.engine.executor, seq)[len(p) - 1:-1]
+    for l32, l16 in zip(l32s, l16s):
         agree += int((l32.argmax(-1) == l16.argmax(-1)).sum())
         total += l32.shape[0]
         rel.append(((l16 - l32).abs().max() / l32.abs().max()).item())
@@ -126,23 +140,37 @@ def main(argv: list[str] | None = None) -> int:
     runners = {UNFUSED: unfused, **{k: v.engine.executor for k, v in llms.items()}}
     cfg = base.engine.executor.cfg
     mach = measure_machine(cfg)
+    mach16 = measure_machine(cfg, dtype=torch.bfloat16)
+
+    def own_ceiling(k: str, b: int, c: int) -> float:
+        """The ceiling of the variant's own dtypes: bf16 matmul rate and weight bytes, KV bytes."""
+        kw = VARIANTS.get(k, {})
+        kv = 2 if kw.get("kv_cache_dtype") == "bfloat16" else 4
+        if kw.get("matmul_dtype") == "bfloat16":
+            return decode_ceiling(cfg, mach16, b, c, elem=kv, w_elem=2)
+        return decode_ceiling(cfg, mach, b, c, elem=kv, w_elem=4)
+
     cases = [tuple(int(x) for x in c.split("x")) for c in a.cases.split(",")]
     res = {c: time_steps(runners, *c) for c in cases}
     head = "| variant | " + " | ".join(f"B={b}, ctx {c}" for b, c in cases) + " |"
     rows = [head, "|---" * (len(cases) + 1) + "|",
-            "| fp32 ceiling tok/s | " + " | ".join(f"{decode_ceiling(cfg, mach, b, c):.0f}" for b, c in cases) + " |"]
+            "| fp32 ceiling tok/s | " + " | ".join(f"{decode_ceiling(cfg, mach, b, c):.0f}" for b, c in cases) + " |",
+            "| bf16-matmul + bf16-KV ceiling tok/s | "
+            + " | ".join(f"{decode_ceiling(cfg, mach16, b, c, elem=2, w_elem=2):.0f}" for b, c in cases) + " |"]
     for k in runners:
         cells = []
         for (b, c) in cases:
             t = res[(b, c)][k]
-            cells.append(f"{t * 1e3:.1f} ms, {b / t:.0f} tok/s ({100 * b / t / decode_ceiling(cfg, mach, b, c):.0f}%)")
+            cells.append(f"{t * 1e3:.1f} ms, {b / t:.0f} tok/s ({100 * b / t / decode_ceiling(cfg, mach, b, c):.0f}% / "
+                         f"{100 * b / t / own_ceiling(k, b, c):.0f}%)")
         rows.append(f"| {k} | " + " | ".join(cells) + " |")
     del unfused, runners
     lines = [f"`python -m batchserve.bench.variants`, {datetime.datetime.now():%Y-%m-%d %H:%M}; "
              f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
              f"{torch.get_num_threads()} threads; fp32 matmul peak at the model's shapes "
-             f"{mach.peak_gflops:.0f} GFLOP/s, memory {mach.bandwidth_gbs:.1f} GB/s.", "",
-             "Decode step time, tokens/s and share of the fp32 ceiling (medians of 7, variants alternating):", "",
+             f"{mach.peak_gflops:.0f} GFLOP/s (bf16 {mach16.peak_gflops:.0f}), memory {mach.bandwidth_gbs:.1f} GB/s.",
+             "", "Decode step time, tokens/s, and share of the fp32 ceiling / of the ceiling for the variant's own "
+             "dtypes (bf16 matmul rate, bf16 weight and KV bytes); medians of 7, variants alternating:", "",
              *rows]
     if a.requests:
         work = offline_workload(a.requests, 0, cfg.vocab_size)
@@ -155,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                   + "; ".join(f"{k} {r['tok_s']:.0f} tok/s ({r['seconds']:.1f} s, {r['tok_s'] / b0:.2f}x)"
                               for k, r in runs.items()) + "."]
     lines += ["", "Quality against the fp32 model (24 chat prompts, greedy, 64 tokens; teacher-forced: both "
-              "models fed the fp32 continuation):", "",
+              "models fed the fp32 continuation, one prefill then one decode step per token, so the KV cache "
+              "is read as in serving):", "",
               "| variant | identical continuations | mean common prefix | next-token argmax agrees | largest "
               "logit difference (mean over prompts), % of the largest logit |", "|---|---|---|---|---|"]
     for k, llm in list(llms.items())[1:]:
