@@ -19,6 +19,7 @@ import time
 import torch
 
 from batchserve.bench.foundation import decode_batch, publish
+from batchserve.bench.roofline import median_time
 from batchserve.core.kv_cache import KVCacheManager
 from batchserve.runner.attention import AttnMeta, _decode_torch
 from batchserve.runner.kernels import paged_attention_ext
@@ -29,14 +30,7 @@ N_KV, N_H, HD, BS, LAYERS = 3, 9, 64, 16, 30  # SmolLM2-135M's attention shape
 
 def time_layers(fn, layers: int, reps: int) -> float:
     """Median seconds per layer of `fn(layer)` called over all layers in turn."""
-    fn(0)
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        for i in range(layers):
-            fn(i)
-        ts.append((time.perf_counter() - t) / layers)
-    return sorted(ts)[len(ts) // 2]
+    return median_time(lambda: [fn(i) for i in range(layers)], reps) / layers
 
 
 def case(kernel, b: int, ctx: int, reps: int) -> dict:

@@ -24,6 +24,7 @@ from batchserve.bench.foundation import decode_batch, offline_workload, publish,
 from batchserve.bench.roofline import decode_ceiling, measure_machine
 from batchserve.config import CacheConfig, ModelConfig
 from batchserve.core.kv_cache import KVCacheManager
+from batchserve.engine.engine import tokenize
 from batchserve.runner.loader import load_model
 from batchserve.runner.model_runner import ModelRunner
 
@@ -72,9 +73,7 @@ def quality(llm32, llm16, max_tokens: int = 64) -> dict:
     from batchserve.request import SamplingParams
 
     tok = llm32.tokenizer
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
-               for q in QUESTIONS]
-    prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
+    prompts = [tokenize(tok, messages=[{"role": "user", "content": q}]) for q in QUESTIONS]
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     a = [o.token_ids for o in llm32.generate(prompts, greedy)]
     b = [o.token_ids for o in llm16.generate(prompts, greedy)]

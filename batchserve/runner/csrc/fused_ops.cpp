@@ -12,44 +12,13 @@
 #include <cstring>
 #include <type_traits>
 
+#include "cpu_math.h"
+
 namespace {
 
-// bf16 <-> fp32 with plain integer arithmetic (round to nearest even), which the compiler
-// vectorises; NaN payloads are not preserved (activations here are finite).
-inline float bf2f(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
-inline uint16_t f2bf(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-// exp(x) for x <= 0: Cody-Waite reduction and a degree-7 polynomial (relative error < 2e-7),
-// written so that loops calling it vectorise: std::exp does not without -ffast-math, and
-// neither does std::floor, so k comes from a truncating conversion (|x log2 e - k| < 1/2).
-inline float exp_nonpos(float x) {
-  x = std::max(x, -87.0f);
-  const float k = static_cast<float>(static_cast<int32_t>(x * 1.44269504f - 0.5f));
-  const float r = (x - k * 0.693145752f) - k * 1.42860677e-06f;
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
+using batchserve::bf16_to_float;
+using batchserve::exp_nonpos;
+using batchserve::float_to_bf16;
 
 // Rows per parallel task: below about 256k elements one thread is faster than waking two (and
 // does not stall when the other core is busy).
@@ -89,7 +58,7 @@ torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> delta, 
       float* xr = xp + t * H;
       if (d_bf) {
         const uint16_t* dr = static_cast<const uint16_t*>(dp) + t * H;
-        for (int64_t i = 0; i < H; ++i) xr[i] += bf2f(dr[i]);
+        for (int64_t i = 0; i < H; ++i) xr[i] += bf16_to_float(dr[i]);
       } else if (has_d) {
         const float* dr = static_cast<const float*>(dp) + t * H;
         for (int64_t i = 0; i < H; ++i) xr[i] += dr[i];
@@ -100,7 +69,7 @@ torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> delta, 
       const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + e);
       if (out_bf16) {
         uint16_t* orow = static_cast<uint16_t*>(op) + t * H;
-        for (int64_t i = 0; i < H; ++i) orow[i] = f2bf(xr[i] * inv * wp[i]);
+        for (int64_t i = 0; i < H; ++i) orow[i] = float_to_bf16(xr[i] * inv * wp[i]);
       } else {
         float* orow = static_cast<float*>(op) + t * H;
         for (int64_t i = 0; i < H; ++i) orow[i] = xr[i] * inv * wp[i];
@@ -116,7 +85,7 @@ namespace {
 template <typename C>
 inline void store_row(C* dst, const float* src, int64_t n) {
   if constexpr (std::is_same<C, uint16_t>::value) {
-    for (int64_t i = 0; i < n; ++i) dst[i] = f2bf(src[i]);
+    for (int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i]);
   } else {
     std::memcpy(dst, src, n * sizeof(float));
   }
@@ -127,7 +96,7 @@ void rope_store_rows(const In* qkv, const float* cos, const float* sin, const in
                      float* out, int64_t T, int64_t nh, int64_t nkv, int64_t hd) {
   const int64_t half = hd / 2, width = (nh + 2 * nkv) * hd, row = nkv * hd;
   auto load = [](In v) -> float {
-    if constexpr (std::is_same<In, uint16_t>::value) return bf2f(v); else return v;
+    if constexpr (std::is_same<In, uint16_t>::value) return bf16_to_float(v); else return v;
   };
   at::parallel_for(0, T, grain(width), [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
@@ -212,11 +181,11 @@ torch::Tensor silu_mul(torch::Tensor gu) {
         const uint16_t* g = static_cast<const uint16_t*>(ip) + t * 2 * I;
         uint16_t* y = static_cast<uint16_t*>(op) + t * I;
         for (int64_t i = 0; i < I; ++i) {
-          const float a = bf2f(g[i]);
+          const float a = bf16_to_float(g[i]);
           const float e = exp_nonpos(-std::fabs(a));  // sigmoid from exp(-|a|): no overflow either side
           const float r = 1.f / (1.f + e);
           const float sig = (a >= 0.f ? 1.f : e) * r;
-          y[i] = f2bf(a * sig * bf2f(g[i + I]));
+          y[i] = float_to_bf16(a * sig * bf16_to_float(g[i + I]));
         }
       } else {
         const float* g = static_cast<const float*>(ip) + t * 2 * I;

@@ -22,6 +22,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_math.h"
+
 namespace {
 
 // bfloat16 cache elements are handled as their raw 16 bits: a bf16 value is the top half of the
@@ -29,12 +31,7 @@ namespace {
 using bf16_t = uint16_t;
 
 inline float to_float(float x) { return x; }
-inline float to_float(bf16_t x) {
-  const uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
+inline float to_float(bf16_t x) { return batchserve::bf16_to_float(x); }
 
 // The compiler does not vectorise a float reduction without -ffast-math, so the two inner
 // loops are written with intrinsics where the machine has them, with a portable fallback.
@@ -74,26 +71,7 @@ inline void axpy(float* acc, float p, const float* v, int64_t n) {
   for (; d < n; ++d) acc[d] += p * v[d];
 }
 
-// exp for x <= 0 (scores minus their max), written so the compiler vectorises the loop that
-// calls it: Cody-Waite range reduction to r in [-ln2/2, ln2/2], a degree-7 Taylor polynomial
-// (error below 2e-7 relative), and 2^k put straight into the exponent bits.
-inline float exp_nonpos(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float k = std::floor(x * 1.44269504f + 0.5f);
-  const float r = (x - k * 0.693145752f) - k * 1.42860677e-06f;
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
+using batchserve::exp_nonpos;  // scores minus their max are <= 0
 
 inline float max_of(const float* s, int64_t n) {
   float m[8];
@@ -212,8 +190,8 @@ inline int64_t lane_of(int64_t i, int64_t hd) {
   return i / 32 * 32 + (i % 2) * 16 + (i % 32) / 2;
 }
 
-// exp(x) for x <= 0 on 16 lanes; the same reduction and polynomial as exp_nonpos, with
-// scalef doing the 2^k.
+// exp(x) for x <= 0 on 16 lanes; the same polynomial as exp_nonpos (cpu_math.h), with k rounded
+// to nearest and scalef doing the 2^k.
 inline __m512 exp_nonpos16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
   const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),

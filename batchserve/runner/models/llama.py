@@ -238,10 +238,9 @@ class LlamaModel(nn.Module):
         cfg, ext = self.cfg, self.fused
         nh, nkv, eps = cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps
         bf = self.matmul_dtype == torch.bfloat16
-        f = positions.float()[:, None] * self.inv_freq[None, :]  # [T, hd/2]
-        cos, sin = f.cos(), f.sin()
         x = F.embedding(input_ids, self.embed)  # [T, H], a fresh tensor: safe to update in place
         T = x.shape[0]
+        cos, sin = (t.view(T, -1) for t in self.rope(positions))  # [T, hd/2]
         delta = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             h = ext.add_rms_norm(x, delta, layer["attn_norm"], eps, bf)
