@@ -19,8 +19,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpp"],
                    help="decode attention and fused layer ops: C++ when they build (auto), PyTorch only, "
                         "or require C++")
-    g.add_argument("--linear-backend", default="auto", choices=["auto", "torch", "onednn"],
-                   help="matrix products: oneDNN on packed weights where it runs (auto), F.linear, or require oneDNN")
+    g.add_argument("--linear-backend", default="auto", choices=["auto", "cpp", "onednn", "torch"],
+                   help="float32 matrix products: the C++ panel GEMM on AVX-512 CPUs, else oneDNN on packed weights "
+                        "where it runs (auto); or require the C++ GEMM, oneDNN, or F.linear")
     g.add_argument("--matmul-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="bfloat16: the decoder layers' matrix products in bf16 over float32 activations, norms, "
                         "KV cache and LM head (auto: as --dtype)")

@@ -31,7 +31,7 @@ class ModelConfig:
     dummy_config: dict | None = None
     seed: int = 0
     attention_backend: str = "auto"  # auto: C++ decode kernel + fused layer ops when they build (CPU, fp32); torch; cpp
-    linear_backend: str = "auto"  # auto: oneDNN on packed weights where it runs (CPU, fp32); torch; onednn
+    linear_backend: str = "auto"  # auto: C++ panel GEMM on AVX-512, else oneDNN where it runs; cpp; onednn; torch
     # auto: the matrix products in `dtype`; bfloat16 with dtype float32: the decoder layers' products
     # in bf16 (half the weight bytes; where the CPU has bf16 instructions, faster), all else float32
     matmul_dtype: str = "auto"
@@ -43,8 +43,8 @@ class ModelConfig:
         _check(self.num_threads >= 0, "num_threads", "must be >= 0")
         _check(self.attention_backend in ("auto", "torch", "cpp"), "attention_backend",
                f"must be auto, torch or cpp, got {self.attention_backend!r}")
-        _check(self.linear_backend in ("auto", "torch", "onednn"), "linear_backend",
-               f"must be auto, torch or onednn, got {self.linear_backend!r}")
+        _check(self.linear_backend in ("auto", "cpp", "onednn", "torch"), "linear_backend",
+               f"must be auto, cpp, onednn or torch, got {self.linear_backend!r}")
         _check(self.matmul_dtype in ("auto", self.dtype, "bfloat16"), "matmul_dtype",
                f"must be auto, {self.dtype!r} or bfloat16 (with dtype float32), got {self.matmul_dtype!r}")
         _check(self.matmul_dtype != "bfloat16" or self.dtype in ("float32", "bfloat16"), "matmul_dtype",

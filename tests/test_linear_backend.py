@@ -1,4 +1,4 @@
-"""The oneDNN linear path (weights packed once) against plain F.linear."""
+"""The matrix-product backends (C++ panel GEMM, oneDNN on packed weights) against F.linear."""
 from __future__ import annotations
 
 import pytest
@@ -6,19 +6,67 @@ import torch
 
 from batchserve.config import ConfigError, ModelConfig
 from batchserve.profile import TINY_MODEL
+from batchserve.runner.kernels import gemm_ext
 from batchserve.runner.loader import load_model
-from batchserve.runner.models.llama import Linear, LlamaModel, onednn_linear_ok
+from batchserve.runner.models.llama import (Linear, LlamaModel, best_linear_backend, cpp_linear_ok,
+                                            onednn_linear_ok)
+
+BACKENDS = [b for b, ok in (("cpp", cpp_linear_ok(torch.zeros(1))), ("onednn", onednn_linear_ok(torch.zeros(1))))
+            if ok]
 
 
-def test_packed_linear_matches_f_linear_and_unpacks_exactly():
-    if not onednn_linear_ok(torch.zeros(1)):
-        pytest.skip("torch built without oneDNN")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_packed_linear_matches_f_linear_and_unpacks_exactly(backend):
     w = torch.randn(96, 64)
-    lin = Linear(w, packed=True)
+    lin = Linear(w, backend)
     for rows in (1, 7, 64):
         x = torch.randn(rows, 64)
         torch.testing.assert_close(lin(x), x @ w.t(), rtol=1e-5, atol=1e-4)
     assert torch.equal(lin.weight, w)
+
+
+def _ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x.double() @ w.double().t()).float()
+
+
+@pytest.mark.skipif(gemm_ext() is None, reason="no C++ toolchain")
+@pytest.mark.parametrize("isa", ["portable", "avx2", "avx512"])
+def test_panel_gemm_every_code_path_matches_float64(isa):
+    """Each code path the module holds (the one this CPU picks and the slower ones), over shapes
+    that hit every row-block size, a partial last panel, a K that is not a multiple of anything,
+    rows past the 512-row chunk, and no rows at all."""
+    ext = gemm_ext()
+    order = ["portable", "avx2", "avx512"]
+    if order.index(isa) > order.index(ext.isa()):
+        pytest.skip(f"this CPU has no {isa}")
+    g = torch.Generator().manual_seed(0)
+    for m, n, k in [(1, 576, 576), (5, 33, 100), (14, 32, 7), (15, 17, 3), (32, 960, 576), (29, 64, 1536),
+                    (600, 70, 65), (0, 32, 8)]:
+        w = torch.randn(n, k, generator=g)
+        x = torch.randn(m, k, generator=g)
+        y = ext.gemm(x, ext.pack(w), n, order.index(isa))
+        assert y.shape == (m, n)
+        torch.testing.assert_close(y, _ref(x, w), rtol=1e-5, atol=1e-4 * k ** 0.5)
+
+
+@pytest.mark.skipif(gemm_ext() is None, reason="no C++ toolchain")
+def test_panel_gemm_layout_and_errors():
+    ext = gemm_ext()
+    w = torch.arange(40 * 3, dtype=torch.float32).view(40, 3)
+    p = ext.pack(w)
+    assert p.shape == (2, 3, 32)  # 40 columns -> two panels, the second zero-padded
+    assert torch.equal(p[0, :, 5], w[5]) and torch.equal(p[1, :, 7], w[39]) and not p[1, :, 8:].any()
+    lin = Linear(w, "cpp")
+    x3 = torch.randn(2, 4, 3)  # leading dims are flattened and restored
+    torch.testing.assert_close(lin(x3), x3 @ w.t())
+    xt = torch.randn(3, 5).t()  # non-contiguous input
+    torch.testing.assert_close(lin(xt), xt @ w.t(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="K=4"):
+        ext.gemm(torch.randn(2, 4), p, 40, -1)
+    with pytest.raises(RuntimeError, match="n=70"):
+        ext.gemm(torch.randn(2, 3), p, 70, -1)
+    with pytest.raises(RuntimeError, match="float32"):
+        ext.gemm(torch.randn(2, 3, dtype=torch.float64), p, 40, -1)
 
 
 def test_model_logits_agree_across_linear_backends():
@@ -26,15 +74,23 @@ def test_model_logits_agree_across_linear_backends():
     torch_model = LlamaModel(loaded.config, loaded.weights, "torch")
     auto_model = LlamaModel(loaded.config, loaded.weights, "auto")
     assert torch_model.linear_backend == "torch"
-    assert auto_model.linear_backend == ("onednn" if onednn_linear_ok(loaded.weights["model.norm.weight"]) else "torch")
+    assert auto_model.linear_backend == best_linear_backend(loaded.weights["model.norm.weight"])
     h = torch.randn(5, loaded.config.hidden_size)
     torch.testing.assert_close(auto_model.logits(h), torch_model.logits(h), rtol=1e-4, atol=1e-4)
+    for backend in BACKENDS:
+        m = LlamaModel(loaded.config, loaded.weights, backend)
+        assert m.linear_backend == backend and m.layers[0]["wqkv"].backend == backend
+        torch.testing.assert_close(m.logits(h), torch_model.logits(h), rtol=1e-4, atol=1e-4)
 
 
-def test_onednn_refused_where_it_cannot_run():
+def test_backends_refused_where_they_cannot_run():
     loaded = load_model(ModelConfig(model="dummy", dummy_config=TINY_MODEL, dtype="bfloat16"))
     with pytest.raises(RuntimeError, match="linear_backend=onednn"):
         LlamaModel(loaded.config, loaded.weights, "onednn")
+    with pytest.raises(RuntimeError, match="linear_backend=cpp"):
+        LlamaModel(loaded.config, loaded.weights, "cpp")
     assert LlamaModel(loaded.config, loaded.weights, "auto").linear_backend == "torch"
     with pytest.raises(ConfigError, match="linear_backend"):
         ModelConfig(linear_backend="mkl")
+    with pytest.raises(ValueError, match="unknown linear backend"):
+        Linear(torch.zeros(2, 2), "mkl")

@@ -40,7 +40,7 @@ def linear_only(model, batch: int) -> float:
 
     def run() -> None:
         with torch.inference_mode():
-            for layer in model.layers:  # the model's own linear path (oneDNN packed or F.linear)
+            for layer in model.layers:  # the model's own linear path (C++ panel GEMM, oneDNN or F.linear)
                 layer["wqkv"](x)
                 layer["wo"](xo)
                 layer["w_gate_up"](x)
@@ -118,7 +118,10 @@ def main(argv: list[str] | None = None) -> None:
     lines = [f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch "
              f"{torch.__version__}, {mach.threads} threads. Matmul at the model's shapes: "
              + ", ".join(f"M={m}: {r:.0f}" for m, r in mach.matmul_gflops.items())
-             + f" GFLOP/s (peak {mach.peak_gflops:.0f}); memory {mach.bandwidth_gbs:.1f} GB/s.", "",
+             + f" GFLOP/s (peak {mach.peak_gflops:.0f}; the best of "
+             + "; ".join(f"{b}: " + ", ".join(f"{r:.0f}" for r in by_m.values())
+                         for b, by_m in (mach.by_backend or {}).items())
+             + f"); memory {mach.bandwidth_gbs:.1f} GB/s. The model runs on {runner.model.linear_backend}.", "",
              "| decode batch (ctx 128) | step ms | linear ms | step/linear | tok/s | ceiling tok/s | % of ceiling |",
              "|---|---|---|---|---|---|---|"]
     kv = KVCacheManager(runner.num_blocks, runner.block_size)

@@ -7,7 +7,10 @@ so weights stream from memory as in a real decode step) for M rows, median of se
 variants interleaved in one process:
 
 - fp32 `F.linear(x, W)` with W [out, in] (MKL) — the model's path before the oneDNN one;
-- fp32 oneDNN linear on weights packed once (`runner/models/llama.Linear`) — the default now;
+- fp32 C++ panel GEMM on weights packed once into 32-column panels (`runner/csrc/gemm.cpp`) —
+  the default where the CPU has AVX-512;
+- fp32 oneDNN linear on weights packed once (`runner/models/llama.Linear`) — the default before
+  the panel GEMM, and where it has no AVX-512 path;
 - fp32 `x @ Wt` with W stored transposed [in, out];
 - fp32 MKL packed GEMM (`torch.ops.mkl._mkl_linear`, weights packed once for a batch size);
 - int8 weight-only (`torch.ops.aten._weight_int8pack_mm`: int8 weights, per-channel scales,
@@ -27,7 +30,7 @@ import torch.nn.functional as F
 
 from batchserve.bench.foundation import publish
 from batchserve.bench.roofline import layer_shapes, median_time
-from batchserve.runner.models.llama import Linear, LlamaConfig, onednn_linear_ok
+from batchserve.runner.models.llama import Linear, LlamaConfig, cpp_linear_ok, onednn_linear_ok
 
 TITLE = "## Matrix-product variants at the model's shapes (issue 9 items 2 and 5)"
 
@@ -40,9 +43,13 @@ def variants(cfg: LlamaConfig, m: int) -> dict[str, object]:
     xs = [torch.randn(m, i) for i, _ in shapes]
     out: dict[str, object] = {}
     out["fp32 F.linear (MKL)"] = lambda: [F.linear(x, w) for layer in w32 for x, w in zip(xs, layer)]
+    if cpp_linear_ok(torch.zeros(1)):
+        cp = [[Linear(w, "cpp") for w in layer] for layer in w32]
+        out["fp32 C++ panel GEMM (model default on AVX-512)"] = lambda: [
+            lin(x) for layer in cp for x, lin in zip(xs, layer)]
     if onednn_linear_ok(torch.zeros(1)):
-        od = [[Linear(w, packed=True) for w in layer] for layer in w32]
-        out["fp32 oneDNN on packed weights (model default)"] = lambda: [
+        od = [[Linear(w, "onednn") for w in layer] for layer in w32]
+        out["fp32 oneDNN on packed weights"] = lambda: [
             lin(x) for layer in od for x, lin in zip(xs, layer)]
     wt = [[w.t().contiguous() for w in layer] for layer in w32]
     out["fp32 x @ W^T stored transposed"] = lambda: [x @ w for layer in wt for x, w in zip(xs, layer)]

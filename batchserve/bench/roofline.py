@@ -1,6 +1,7 @@
-"""This machine's limits, measured: fp32 matrix-product rate at the model's own shapes (on the
-fastest path here, the one the model uses: oneDNN on packed weights where it runs) and
-memory bandwidth, and the ceiling tokens/s they allow for prompt tokens and for decode.
+"""This machine's limits, measured: fp32 matrix-product rate at the model's own shapes (the
+fastest of the paths that run here at each row count: the C++ panel GEMM, oneDNN on packed
+weights) and memory bandwidth, and the ceiling tokens/s they allow for prompt tokens and for
+decode.
 
 Ceiling for a step = max(FLOPs / peak matmul rate, bytes moved / bandwidth): the step can be
 no faster than its arithmetic at the best rate this machine reaches, nor than reading its
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchserve.runner.models.llama import Linear, LlamaConfig, onednn_linear_ok
+from batchserve.runner.models.llama import Linear, LlamaConfig, cpp_linear_ok, onednn_linear_ok
 
 
 def median_time(fn, reps: int) -> float:
@@ -41,39 +42,51 @@ def linear_params(cfg: LlamaConfig) -> int:
 
 @dataclass
 class Machine:
-    matmul_gflops: dict[int, float]  # rows M -> GFLOP/s over the model's shapes
+    matmul_gflops: dict[int, float]  # rows M -> GFLOP/s over the model's shapes (the best backend)
     peak_gflops: float
     bandwidth_gbs: float
     threads: int
+    by_backend: dict[str, dict[int, float]] | None = None  # backend -> rows M -> GFLOP/s
+
+
+def matmul_backends(dtype: torch.dtype) -> list[str]:
+    """The matrix-product paths that run here for weights of `dtype` (F.linear when none does)."""
+    probe = torch.zeros(1, dtype=dtype)
+    out = [b for b, ok in (("cpp", cpp_linear_ok(probe)), ("onednn", onednn_linear_ok(torch.zeros(1)))) if ok]
+    return out or ["torch"]
 
 
 def measure_machine(cfg: LlamaConfig, rows: tuple[int, ...] = (1, 8, 32, 64, 128, 512), reps: int = 5,
                     dtype: torch.dtype = torch.float32) -> Machine:
     """Matmul rate at the model's real shapes and footprint (every layer's four matrices,
-    distinct tensors, so the weights stream from memory as in a real step) for M rows, and
+    distinct tensors, so the weights stream from memory as in a real step) for M rows, on each
+    backend that runs here, the best of them kept per M (the peak is the best overall); and
     memory bandwidth (a read of a buffer far larger than any cache). `dtype`: of the weights
     and activations (bfloat16: the rate the --matmul-dtype bfloat16 mode can reach)."""
     shapes = layer_shapes(cfg)
-    packed = onednn_linear_ok(torch.zeros(1))  # the fastest path here, as the model uses it
-    weights = [[Linear(torch.randn(o, i).to(dtype), packed) for i, o in shapes] for _ in range(cfg.num_layers)]
-    rates: dict[int, float] = {}
+    dense = [[torch.randn(o, i).to(dtype) for i, o in shapes] for _ in range(cfg.num_layers)]
+    by_backend: dict[str, dict[int, float]] = {}
     with torch.inference_mode():
-        for m in rows:
-            xs = [torch.randn(m, i).to(dtype) for i, _ in shapes]
+        for backend in matmul_backends(dtype):
+            weights = [[Linear(w, backend) for w in layer] for layer in dense]
+            for m in rows:
+                xs = [torch.randn(m, i).to(dtype) for i, _ in shapes]
 
-            def run() -> None:
-                for layer in weights:
-                    for x, lin in zip(xs, layer):
-                        lin(x)
+                def run() -> None:
+                    for layer in weights:
+                        for x, lin in zip(xs, layer):
+                            lin(x)
 
-            t = median_time(run, reps)
-            flops = cfg.num_layers * sum(2 * m * i * o for i, o in shapes)
-            rates[m] = flops / t / 1e9
-        del weights
+                t = median_time(run, reps)
+                flops = cfg.num_layers * sum(2 * m * i * o for i, o in shapes)
+                by_backend.setdefault(backend, {})[m] = flops / t / 1e9
+            del weights
+        rates = {m: max(r[m] for r in by_backend.values()) for m in rows}
+        del dense
         big = torch.rand(128 * 2**20)  # 512 MiB of distinct pages (a constant fill could be page-merged)
         t = median_time(lambda: big.sum(), reps)
     bw = big.numel() * 4 / t / 1e9
-    return Machine(rates, max(rates.values()), bw, torch.get_num_threads())
+    return Machine(rates, max(rates.values()), bw, torch.get_num_threads(), by_backend)
 
 
 def decode_ceiling(cfg: LlamaConfig, mach: Machine, batch: int, ctx: int, elem: int = 4,

@@ -1,5 +1,5 @@
 """Hot-path variants side by side, in one process: the elementwise work per layer in PyTorch
-ops vs the C++ fused ops, float32 vs bfloat16 matrix products (`--matmul-dtype bfloat16`) and
+ops vs the C++ fused ops, the C++ panel GEMM vs oneDNN for the float32 products, float32 vs bfloat16 matrix products (`--matmul-dtype bfloat16`) and
 KV cache (`--kv-cache-dtype bfloat16`), with each bf16 variant's output quality against float32.
 
     python -m batchserve.bench.variants --out BENCHMARKS.md      # about 5 minutes, quiet machine
@@ -98,6 +98,7 @@ def quality(llm32, llm16, max_tokens: int = 64) -> dict:
 
 VARIANTS = {  # name -> LLM options (the fp32 default first: everything is compared with it)
     "fp32, fused ops (default)": {},
+    "fp32, fused ops, oneDNN matmul": {"linear_backend": "onednn"},
     "fp32 + bf16 KV cache": {"kv_cache_dtype": "bfloat16"},
     "bf16 matmul": {"matmul_dtype": "bfloat16"},
     "bf16 matmul + bf16 KV cache": {"matmul_dtype": "bfloat16", "kv_cache_dtype": "bfloat16"},

@@ -26,6 +26,11 @@ def fused_ops_ext() -> ModuleType | None:
     return _get("batchserve_fused_ops", "fused_ops.cpp", "C++ fused layer ops")
 
 
+def gemm_ext() -> ModuleType | None:
+    """The float32 panel GEMM on packed weights (runner/csrc/gemm.cpp), or None."""
+    return _get("batchserve_gemm", "gemm.cpp", "C++ panel GEMM")
+
+
 def _get(name: str, source: str, what: str) -> ModuleType | None:
     with _lock:
         if name not in _cached:

@@ -125,26 +125,67 @@ def onednn_linear_ok(weight: torch.Tensor) -> bool:
         return False
 
 
+def cpp_linear_ok(weight: torch.Tensor) -> bool:
+    """Whether the C++ panel GEMM (runner/csrc/gemm.cpp) builds here and suits `weight` (fp32, CPU)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return False
+    from batchserve.runner.kernels import gemm_ext
+
+    return gemm_ext() is not None
+
+
+def best_linear_backend(weight: torch.Tensor) -> str:
+    """What `auto` picks for `weight`: the C++ panel GEMM where it has its AVX-512 path (measured
+    1.2-1.8x faster than oneDNN at decode batches on this project's machine, on par for prefill),
+    else oneDNN on packed weights where that runs, else F.linear."""
+    if cpp_linear_ok(weight):
+        from batchserve.runner.kernels import gemm_ext
+
+        if gemm_ext().isa() == "avx512":
+            return "cpp"
+    return "onednn" if onednn_linear_ok(weight) else "torch"
+
+
 class Linear:
-    """y = x W^T. With `packed`, W is reordered once into oneDNN's blocked layout and multiplied
-    by oneDNN (on this machine's AMD CPU about 2x faster than F.linear's MKL GEMM at every decode
-    batch; see BENCHMARKS.md); otherwise plain F.linear. The dense weight is not kept twice."""
+    """y = x W^T on one of three backends, the weight stored once in that backend's layout:
+    `cpp`: the C++ panel GEMM on weights packed into 32-column panels; `onednn`: oneDNN on its
+    blocked layout; `torch`: F.linear on the dense weight."""
 
-    __slots__ = ("w", "packed")
+    __slots__ = ("w", "backend", "n", "_ext")
 
-    def __init__(self, weight: torch.Tensor, packed: bool) -> None:
-        self.packed = packed
-        self.w = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None) if packed else weight
+    def __init__(self, weight: torch.Tensor, backend: str = "torch") -> None:
+        if backend not in ("torch", "onednn", "cpp"):
+            raise ValueError(f"unknown linear backend {backend!r}")
+        self.backend = backend
+        self.n = weight.shape[0]
+        self._ext = None
+        if backend == "cpp":
+            from batchserve.runner.kernels import gemm_ext
+
+            self._ext = gemm_ext()
+            if self._ext is None:
+                raise RuntimeError("linear backend cpp: the C++ panel GEMM did not build here")
+            self.w = self._ext.pack(weight)
+        elif backend == "onednn":
+            self.w = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+        else:
+            self.w = weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed:
+        if self.backend == "cpp":
+            if x.dim() != 2:
+                return self(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.n)
+            return self._ext.gemm(x if x.is_contiguous() else x.contiguous(), self.w, self.n)
+        if self.backend == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.w, None, "none", [-1], "")
         return F.linear(x, self.w)
 
     @property
     def weight(self) -> torch.Tensor:
         """The dense [out, in] weight (unpacked on demand)."""
-        return self.w.to_dense() if self.packed else self.w
+        if self.backend == "cpp":
+            return self.w.permute(0, 2, 1).reshape(-1, self.w.shape[1])[: self.n]
+        return self.w.to_dense() if self.backend == "onednn" else self.w
 
 
 def _mm(lin: "Linear", x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -156,7 +197,8 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor], linear_backend: str = "auto",
                  matmul_dtype: torch.dtype | None = None, fused: Any = None) -> None:
         """`weights` uses Hugging Face names (model.layers.N.self_attn.q_proj.weight, ...).
-        `linear_backend`: auto (oneDNN on packed weights where it runs, else torch), torch, onednn.
+        `linear_backend`: auto (best_linear_backend: the C++ panel GEMM on AVX-512, else oneDNN on
+        packed weights where it runs, else torch), cpp, onednn, torch.
         `matmul_dtype`: the decoder layers' matrices in this dtype (bfloat16 with float32 weights:
         bf16 matrix products, everything else float32; the LM head stays in the weights' dtype).
         `fused`: the compiled fused-ops module (runner/kernels.py) for the per-layer elementwise
@@ -171,19 +213,24 @@ class LlamaModel(nn.Module):
             raise ValueError(f"matmul_dtype {mm} with {self.embed.dtype} weights: only bfloat16 matrix products "
                              "over float32 weights are supported")
         self.matmul_dtype = mm
-        ok = onednn_linear_ok(self.embed)
-        if linear_backend == "onednn" and not ok:
+        if linear_backend == "onednn" and not onednn_linear_ok(self.embed):
             raise RuntimeError("linear_backend=onednn: oneDNN linear is not available here (needs fp32 on a CPU "
                                "with torch's oneDNN)")
-        self.linear_backend = "onednn" if ok and linear_backend != "torch" else "torch"
-        pack = self.linear_backend == "onednn"
+        if linear_backend == "cpp" and not cpp_linear_ok(self.embed):
+            raise RuntimeError("linear_backend=cpp: the C++ panel GEMM is not available here (needs fp32 weights on "
+                               "a CPU and a C++ toolchain to build it)")
+        self.linear_backend = best_linear_backend(self.embed) if linear_backend == "auto" else linear_backend
         fits = self.embed.dtype == torch.float32 and self.embed.device.type == "cpu"
         self.fused = fused if fits else None
         head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
-        self.lm_head = Linear(head, pack)
+        self.lm_head = Linear(head, self.linear_backend)
+        # bf16 products (matmul_dtype) run on oneDNN's packed bf16 layout whatever the fp32 backend.
+        layer_backend = self.linear_backend
+        if mm != self.embed.dtype:
+            layer_backend = "onednn" if self.linear_backend != "torch" and onednn_linear_ok(self.embed) else "torch"
 
         def lin(t: torch.Tensor) -> Linear:
-            return Linear(t.to(mm), pack)
+            return Linear(t.to(mm), layer_backend)
 
         self.layers: list[dict[str, torch.Tensor | Linear]] = []
         for i in range(cfg.num_layers):
