@@ -77,3 +77,43 @@ def test_decode_kernel_matches_gathered_attention(cache_dtype, hd, g, bs):
         v = v_cache[sl].double().repeat_interleave(g, dim=1)
         p = torch.softmax(torch.einsum("hd,nhd->hn", q[i].double(), k) * hd ** -0.5, dim=-1)
         torch.testing.assert_close(out[i].double(), torch.einsum("hn,nhd->hd", p, v), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hd,g,bs", [(64, 3, 16), (128, 4, 16), (64, 1, 5)])
+def test_prefill_kernel_matches_float64(cache_dtype, hd, g, bs):
+    """The C++ prompt-chunk kernel against softmax(q k^T + causal mask) v in float64 over each
+    request's gathered cache: whole prompts (1 token, under, on and past the 16-query tile, long
+    enough to spread over both threads), chunks after cached context, next to decodes in one batch,
+    with q read through a strided view as the model passes it."""
+    kernel = paged_attention_ext()
+    if kernel is None or not kernel.prefill_supported(hd):
+        pytest.skip("no C++ prefill kernel for this head size here")
+    torch.manual_seed(hd + g + bs)
+    n_kv = 2
+    n_h = n_kv * g
+    plan = [(0, 1), (0, 16), (0, 17), (30, 1), (23, 50), (0, 300), (100, 3), (64, 16)]  # (start, tokens)
+    tables, free = [], torch.randperm(sum(-(-(s + n) // bs) for s, n in plan) + 8).tolist()
+    for s, n in plan:
+        tables.append([free.pop() for _ in range(-(-(s + n) // bs))])
+    slots = (max(max(t) for t in tables) + 1) * bs
+    k_cache = torch.randn(slots, n_kv, hd).to(cache_dtype)
+    v_cache = torch.randn(slots, n_kv, hd).to(cache_dtype)
+    T = sum(n for _, n in plan)
+    qkv = torch.randn(T, n_h + 2 * n_kv, hd)
+    q, k, v = qkv[:, :n_h], qkv[:, n_h:n_h + n_kv], qkv[:, n_h + n_kv:]  # strided, as in the fused forward
+    meta = AttnMeta.build([(s, n, t) for (s, n), t in zip(plan, tables)], bs, torch.device("cpu"), kernel)
+    assert meta.pf_spans is not None and len(meta.prefills) == 7  # all but (30, 1), a decode
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, stored=True)
+    flat = 0
+    for (s, n), t in zip(plan, tables):
+        pos = torch.arange(s + n)
+        sl = torch.tensor(t)[pos // bs] * bs + pos % bs
+        kk = k_cache[sl].double().repeat_interleave(g, dim=1)  # [s + n, n_h, hd]
+        vv = v_cache[sl].double().repeat_interleave(g, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[flat:flat + n].double(), kk) * hd ** -0.5
+        causal = torch.arange(s + n)[None, :] <= torch.arange(s, s + n)[:, None]
+        p = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+        ref = torch.einsum("hqk,khd->qhd", p, vv)
+        torch.testing.assert_close(out[flat:flat + n].double(), ref, rtol=1e-4, atol=1e-4)
+        flat += n

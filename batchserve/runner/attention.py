@@ -39,6 +39,8 @@ class AttnMeta:
     dec_tables: torch.Tensor | None = None  # [Bd, max_blocks] block tables, for the kernel
     dec_lens: torch.Tensor | None = None  # [Bd] context lengths, for the kernel
     block_size: int = 16
+    pf_tables: torch.Tensor | None = None  # [S, max_blocks] block tables of the prompt chunks, for the kernel
+    pf_spans: torch.Tensor | None = None  # [S, 3] (first flat row, tokens, first position), for the kernel
 
     @staticmethod
     def build(seqs: list[tuple[int, int, list[int]]], block_size: int, device: torch.device,
@@ -53,6 +55,7 @@ class AttnMeta:
         dec_reqs: list[int] = []
         dec_lens: list[int] = []
         prefills: list[PrefillSpan] = []
+        pf_reqs: list[int] = []
         flat = 0
         for i, (start, n, _) in enumerate(seqs):
             new_slots.append(slots_all[i, start:start + n])
@@ -67,9 +70,14 @@ class AttnMeta:
                     q_pos = torch.arange(start, start + n, device=device)[:, None]
                     mask = torch.arange(start + n, device=device)[None, :] <= q_pos
                 prefills.append(PrefillSpan(flat, flat + n, start, ctx_slots, mask))
+                pf_reqs.append(i)
             flat += n
         meta = AttnMeta(torch.cat(new_slots).to(device), None, None, None, None, prefills, False,
                         kernel=kernel, block_size=block_size)
+        if prefills and kernel is not None:
+            meta.pf_tables = tables[pf_reqs]
+            meta.pf_spans = torch.tensor([[sp.start, sp.end - sp.start, sp.ctx_start] for sp in prefills],
+                                         dtype=torch.long)
         if dec_rows:
             tmax = max(dec_lens)
             lens = torch.tensor(dec_lens)
@@ -101,7 +109,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                         meta.block_size, hd ** -0.5)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     g = n_h // k.shape[1]
-    for sp in meta.prefills:
+    prefills = meta.prefills
+    if prefills and meta.kernel is not None and meta.kernel.prefill_supported(hd):
+        # every chunk at once, each cached K/V element read once per 16 queries, no copies
+        meta.kernel.paged_prefill(q, k_cache, v_cache, meta.pf_tables, meta.pf_spans, meta.block_size,
+                                  hd ** -0.5, out)
+        prefills = []
+    for sp in prefills:
         # 4-D inputs with the kv heads repeated: SDPA's `enable_gqa` and 3-D inputs both send the CPU
         # to its unfused math path (the whole score matrix, a dozen ops), 10-30x slower at 256-512
         # tokens than the flash kernel this shape gets (BENCHMARKS.md).

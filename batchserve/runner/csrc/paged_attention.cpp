@@ -473,6 +473,168 @@ void decode_avx512(AttendFn<T> attend_fn, const float* qp, const T* kp, const T*
   }
 }
 
+
+// ---- prefill: many queries per sequence ----------------------------------------------------
+// A work item is up to 16 consecutive queries (one per vector lane) of one prompt chunk and one
+// kv head, with the G query heads sharing it. Keys are visited 16 at a time, only the tiles some
+// query may see under the causal mask, each K/V row read once from the paged cache for all G x
+// 16 rows. Scores come out transposed, s[j] = 16 queries' scores for key j (q stored transposed,
+// K rows broadcast), so the online softmax is all vertical: the row max is 15 vmaxps, no
+// horizontal reductions. P x V then runs with the head dimension in the lanes, 4 (HD 64) or 2
+// (HD 128) query rows at a time, each V vector loaded once for them.
+constexpr int64_t kQTile = 16;
+
+struct PrefillBufs {
+  std::vector<float> qt, o, m, l, p, alpha, kf, vf;
+  void init(int64_t G, int64_t hd) {
+    qt.resize(G * hd * kQTile);
+    o.resize(G * kQTile * hd);
+    m.resize(G * kQTile);
+    l.resize(G * kQTile);
+    p.resize(kTile * G * kQTile);
+    alpha.resize(G * kQTile);
+    kf.resize(kTile * hd);
+    vf.resize(kTile * hd);
+  }
+};
+
+inline void row_to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void row_to_float(const bf16_t* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16)
+    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))), 16)));
+}
+
+template <typename T, int HD>
+void prefill_item(const float* q, int64_t q_tok_stride, const T* kc, const T* vc, int64_t nkv,
+                  const int64_t* table, int64_t block_size, int64_t kvh, int64_t G, int64_t row0, int64_t nq,
+                  int64_t pos0, float scale, float* out, int64_t out_tok_stride, PrefillBufs& b) {
+  constexpr int NV = HD / 16;
+  constexpr int RG = NV <= 4 ? 4 : 2;  // query rows per P x V block
+  const int64_t R = G * kQTile;        // row r = g * 16 + query; queries past nq are zeros, never written
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t i = 0; i < kQTile; ++i) {
+      const float* src = q + (row0 + i) * q_tok_stride + (kvh * G + g) * HD;
+      for (int d = 0; d < HD; ++d) b.qt[(g * HD + d) * kQTile + i] = i < nq ? src[d] * scale : 0.f;
+    }
+  std::fill(b.o.begin(), b.o.begin() + R * HD, 0.f);
+  std::fill(b.m.begin(), b.m.begin() + R, -INFINITY);
+  std::fill(b.l.begin(), b.l.begin() + R, 0.f);
+  const int64_t last = pos0 + nq - 1;  // the last query's position: keys 0 .. last are needed
+  for (int64_t base = 0; base <= last; base += kTile) {
+    const int64_t nk = std::min<int64_t>(kTile, last + 1 - base);
+    for (int64_t j = 0; j < nk; ++j) {
+      const int64_t pos = base + j;
+      const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
+      row_to_float(kc + (slot * nkv + kvh) * HD, b.kf.data() + j * HD, HD);
+      row_to_float(vc + (slot * nkv + kvh) * HD, b.vf.data() + j * HD, HD);
+    }
+    // Key j is visible to query i when base + j <= pos0 + i: lanes i >= base + j - pos0.
+    __mmask16 vis[kTile];
+    for (int64_t j = 0; j < kTile; ++j) {
+      const int64_t first = base + j - pos0;
+      vis[j] = j >= nk ? 0 : first <= 0 ? 0xFFFF : first >= kQTile ? 0 : static_cast<__mmask16>(0xFFFFu << first);
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 s[kTile];
+#pragma GCC unroll 16
+      for (int j = 0; j < kTile; ++j) s[j] = _mm512_setzero_ps();
+      const float* qg = b.qt.data() + g * HD * kQTile;
+      for (int d = 0; d < HD; ++d) {
+        const __m512 qv = _mm512_loadu_ps(qg + d * kQTile);
+#pragma GCC unroll 16
+        for (int j = 0; j < kTile; ++j) s[j] = _mm512_fmadd_ps(qv, _mm512_set1_ps(b.kf[j * HD + d]), s[j]);
+      }
+      __m512 mx = _mm512_loadu_ps(b.m.data() + g * kQTile);
+      const __m512 mold = mx;
+#pragma GCC unroll 16
+      for (int j = 0; j < kTile; ++j) mx = _mm512_mask_max_ps(mx, vis[j], mx, s[j]);
+      // Every query sees key 0, so after the first tile no lane's max is -inf.
+      const __m512 alpha = exp_nonpos16(_mm512_sub_ps(mold, mx));
+      __m512 lsum = _mm512_mul_ps(_mm512_loadu_ps(b.l.data() + g * kQTile), alpha);
+      float* pg = b.p.data() + g * kQTile;
+#pragma GCC unroll 16
+      for (int j = 0; j < kTile; ++j) {
+        const __m512 p = _mm512_maskz_mov_ps(vis[j], exp_nonpos16(_mm512_sub_ps(s[j], mx)));
+        lsum = _mm512_add_ps(lsum, p);
+        _mm512_storeu_ps(pg + j * R, p);  // p[j][row]
+      }
+      _mm512_storeu_ps(b.m.data() + g * kQTile, mx);
+      _mm512_storeu_ps(b.l.data() + g * kQTile, lsum);
+      _mm512_storeu_ps(b.alpha.data() + g * kQTile, alpha);
+    }
+    // O = alpha * O + P V for the rows of real queries, RG at a time.
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t i0 = 0; i0 < nq; i0 += RG) {
+        const int rc = static_cast<int>(std::min<int64_t>(RG, nq - i0));
+        const int64_t r0 = g * kQTile + i0;
+        __m512 o[RG][NV];
+        for (int r = 0; r < RG; ++r) {
+          const __m512 a = _mm512_set1_ps(r < rc ? b.alpha[r0 + r] : 0.f);
+          for (int c = 0; c < NV; ++c)
+            o[r][c] = r < rc ? _mm512_mul_ps(a, _mm512_loadu_ps(b.o.data() + (r0 + r) * HD + 16 * c)) : _mm512_setzero_ps();
+        }
+        for (int64_t j = 0; j < nk; ++j) {
+          __m512 v[NV];
+          for (int c = 0; c < NV; ++c) v[c] = _mm512_loadu_ps(b.vf.data() + j * HD + 16 * c);
+          const float* pj = b.p.data() + j * R + r0;
+#pragma GCC unroll 4
+          for (int r = 0; r < RG; ++r) {
+            const __m512 pv = _mm512_set1_ps(pj[r]);  // rows past rc hold p of padding lanes: unused
+            for (int c = 0; c < NV; ++c) o[r][c] = _mm512_fmadd_ps(pv, v[c], o[r][c]);
+          }
+        }
+        for (int r = 0; r < rc; ++r)
+          for (int c = 0; c < NV; ++c) _mm512_storeu_ps(b.o.data() + (r0 + r) * HD + 16 * c, o[r][c]);
+      }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t i = 0; i < nq; ++i) {
+      const int64_t r = g * kQTile + i;
+      const float inv = 1.f / b.l[r];  // every query sees at least key 0
+      float* dst = out + (row0 + i) * out_tok_stride + (kvh * G + g) * HD;
+      for (int d = 0; d < HD; ++d) dst[d] = b.o[r * HD + d] * inv;
+    }
+}
+
+template <typename T, int HD>
+void prefill_avx512(const float* q, int64_t q_tok_stride, const T* kc, const T* vc, int64_t nh, int64_t nkv,
+                    const int64_t* tables, int64_t maxb, const int64_t* spans, int64_t S, int64_t block_size,
+                    float scale, float* out, int64_t out_tok_stride) {
+  const int64_t G = nh / nkv;
+  struct Item {
+    int64_t span, kvh, q_off, nq, cost;
+  };
+  std::vector<Item> items;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t n = spans[s * 3 + 1], pos0 = spans[s * 3 + 2];
+    for (int64_t off = 0; off < n; off += kQTile)
+      for (int64_t h = 0; h < nkv; ++h) {
+        const int64_t nq = std::min(kQTile, n - off);
+        items.push_back({s, h, off, nq, pos0 + off + nq});
+      }
+  }
+  // Longest first, handed out one at a time: the threads finish together.
+  std::sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  std::atomic<int64_t> next{0};
+  const int64_t nitems = static_cast<int64_t>(items.size());
+  auto worker = [&](int64_t, int64_t) {
+    PrefillBufs bufs;
+    bufs.init(G, HD);
+    for (int64_t i = next.fetch_add(1); i < nitems; i = next.fetch_add(1)) {
+      const Item& it = items[i];
+      const int64_t row0 = spans[it.span * 3] + it.q_off, pos0 = spans[it.span * 3 + 2] + it.q_off;
+      prefill_item<T, HD>(q, q_tok_stride, kc, vc, nkv, tables + it.span * maxb, block_size, it.kvh, G, row0, it.nq,
+                          pos0, scale, out, out_tok_stride, bufs);
+    }
+  };
+  const int64_t nworkers = std::min<int64_t>(at::get_num_threads(), nitems);
+  if (nworkers > 1)
+    at::parallel_for(0, nworkers, 1, worker);
+  else if (nitems > 0)
+    worker(0, 1);
+}
+
 #endif  // __AVX512F__
 
 }  // namespace
@@ -520,6 +682,56 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   return out;
 }
 
+// Whether paged_prefill runs for this head size here (AVX-512 and head_dim 64 or 128); when not,
+// the caller uses its PyTorch path.
+bool prefill_supported(int64_t hd) {
+#if defined(__AVX512F__)
+  return hd == 64 || hd == 128;
+#else
+  (void)hd;
+  return false;
+#endif
+}
+
+// Causal attention for prompt chunks, straight from the paged cache (their own K/V already
+// written there). q: [T, n_h, hd] float32 (token rows may be strided, heads contiguous);
+// block_tables: [S, max_blocks] int64; spans: [S, 3] int64 rows of (first flat row, tokens,
+// position of the first token); out: [T, n_h, hd] float32, the spans' rows written.
+void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                   torch::Tensor spans, int64_t block_size, double scale, torch::Tensor out) {
+  const int64_t nh = q.size(1), hd = q.size(2), nkv = k_cache.size(1);
+  TORCH_CHECK(prefill_supported(hd), "paged_prefill: head_dim ", hd, " is not supported here");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && out.scalar_type() == torch::kFloat32,
+              "paged_prefill: q and out must be float32");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == hd && out.stride(2) == 1 && out.stride(1) == hd,
+              "paged_prefill: q and out need contiguous heads");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "paged_prefill: k_cache and v_cache must be contiguous and of one dtype");
+  TORCH_CHECK(nkv > 0 && nh % nkv == 0, "paged_prefill: query heads not a multiple of kv heads");
+  block_tables = block_tables.contiguous();
+  spans = spans.contiguous();
+  TORCH_CHECK(spans.dim() == 2 && spans.size(1) == 3 && spans.size(0) == block_tables.size(0),
+              "paged_prefill: spans must be [S, 3], one row per block table");
+#if defined(__AVX512F__)
+  const float sc = static_cast<float>(scale);
+  auto run = [&](const auto* kp, const auto* vp) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
+    auto fn = hd == 64 ? prefill_avx512<T, 64> : prefill_avx512<T, 128>;
+    fn(q.data_ptr<float>(), q.stride(0), kp, vp, nh, nkv, block_tables.data_ptr<int64_t>(), block_tables.size(1),
+       spans.data_ptr<int64_t>(), spans.size(0), block_size, sc, out.data_ptr<float>(), out.stride(0));
+  };
+  if (k_cache.scalar_type() == torch::kFloat32)
+    run(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+  else if (k_cache.scalar_type() == torch::kBFloat16)
+    run(reinterpret_cast<const bf16_t*>(k_cache.data_ptr<at::BFloat16>()),
+        reinterpret_cast<const bf16_t*>(v_cache.data_ptr<at::BFloat16>()));
+  else
+    TORCH_CHECK(false, "paged_prefill: KV cache must be float32 or bfloat16, got ", k_cache.scalar_type());
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "decode attention over the paged KV cache (fp32 math; fp32 or bf16 cache)");
+  m.def("prefill_supported", &prefill_supported, "whether paged_prefill runs for this head_dim here");
+  m.def("paged_prefill", &paged_prefill, "causal attention of prompt chunks over the paged KV cache, into out");
 }
