@@ -94,3 +94,41 @@ def test_backends_refused_where_they_cannot_run():
         ModelConfig(linear_backend="mkl")
     with pytest.raises(ValueError, match="unknown linear backend"):
         Linear(torch.zeros(2, 2), "mkl")
+
+
+@pytest.mark.skipif(gemm_ext() is None or not gemm_ext().has_bf16(), reason="no AVX512-BF16 here")
+def test_panel_gemm_bf16_matches_rounded_inputs():
+    """The bf16 path: weights and x rounded to bf16, products summed in fp32, fp32 out; x given
+    as fp32 or bf16, odd K (a padded last pair), several row blocks and row passes."""
+    ext = gemm_ext()
+    g = torch.Generator().manual_seed(1)
+    for m, n, k in [(1, 576, 576), (5, 33, 101), (32, 960, 576), (29, 64, 1536), (300, 40, 64), (0, 32, 8)]:
+        w = torch.randn(n, k, generator=g)
+        x = torch.randn(m, k, generator=g)
+        wp = ext.pack_bf16(w)
+        assert wp.dtype == torch.bfloat16 and wp.shape == (-(-n // 32), -(-k // 2), 64)
+        ref = _ref(x.bfloat16().float(), w.bfloat16().float())
+        for xin in (x, x.bfloat16()):
+            y = ext.gemm_bf16(xin, wp, n)
+            assert y.dtype == torch.float32 and y.shape == (m, n)
+            torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4 * k ** 0.5)
+    for k in (6, 7):  # unpacks exactly, with an odd K too
+        w = torch.randn(40, k)
+        assert torch.equal(Linear(w.bfloat16(), "cpp").weight, w.bfloat16())
+    with pytest.raises(RuntimeError, match="K=10"):
+        ext.gemm_bf16(torch.randn(2, 10), ext.pack_bf16(w), 40)
+
+
+def test_bf16_matmul_mode_picks_the_cpp_bf16_path_where_it_runs():
+    from batchserve.runner.models.llama import cpp_bf16_ok
+
+    loaded = load_model(ModelConfig(model="dummy", dummy_config=TINY_MODEL))
+    fp32 = LlamaModel(loaded.config, loaded.weights, "torch")
+    for backend in BACKENDS:
+        m = LlamaModel(loaded.config, loaded.weights, backend, matmul_dtype=torch.bfloat16)
+        want = "cpp" if backend == "cpp" and cpp_bf16_ok() else "onednn"
+        assert m.layers[0]["wqkv"].backend == want and m.lm_head.backend == backend
+        h = torch.randn(3, loaded.config.hidden_size)
+        x = m.layers[0]["w_down"](torch.randn(3, loaded.config.intermediate_size).bfloat16())
+        assert x.shape == (3, loaded.config.hidden_size)
+        torch.testing.assert_close(m.logits(h), fp32.logits(h), rtol=1e-4, atol=1e-4)  # the head stays fp32

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchserve.runner.models.llama import Linear, LlamaConfig, cpp_linear_ok, onednn_linear_ok
+from batchserve.runner.models.llama import Linear, LlamaConfig, cpp_bf16_ok, cpp_linear_ok, onednn_linear_ok
 
 
 def median_time(fn, reps: int) -> float:
@@ -51,8 +51,8 @@ class Machine:
 
 def matmul_backends(dtype: torch.dtype) -> list[str]:
     """The matrix-product paths that run here for weights of `dtype` (F.linear when none does)."""
-    probe = torch.zeros(1, dtype=dtype)
-    out = [b for b, ok in (("cpp", cpp_linear_ok(probe)), ("onednn", onednn_linear_ok(torch.zeros(1)))) if ok]
+    cpp = cpp_bf16_ok() if dtype == torch.bfloat16 else cpp_linear_ok(torch.zeros(1, dtype=dtype))
+    out = [b for b, ok in (("cpp", cpp), ("onednn", onednn_linear_ok(torch.zeros(1)))) if ok]
     return out or ["torch"]
 
 

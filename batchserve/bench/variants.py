@@ -102,6 +102,8 @@ VARIANTS = {  # name -> LLM options (the fp32 default first: everything is compa
     "fp32 + bf16 KV cache": {"kv_cache_dtype": "bfloat16"},
     "bf16 matmul": {"matmul_dtype": "bfloat16"},
     "bf16 matmul + bf16 KV cache": {"matmul_dtype": "bfloat16", "kv_cache_dtype": "bfloat16"},
+    "bf16 matmul + bf16 KV cache, oneDNN matmul": {"matmul_dtype": "bfloat16", "kv_cache_dtype": "bfloat16",
+                                                   "linear_backend": "onednn"},
 }
 UNFUSED = "fp32, PyTorch elementwise ops"
 

@@ -19,12 +19,16 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
 namespace {
 
 constexpr int NB = 32;       // panel width: output columns per panel
 constexpr int64_t PF = 64;   // prefetch the panel this many k ahead (8 KiB)
 constexpr int64_t MCHUNK = 512;  // rows of x per pass over the panels (keeps x in L2 for prefill)
+constexpr int64_t MCHUNK_BF16 = 128;  // rows per pass for bf16: x stays in L2 (the rows are re-read for every panel)
+constexpr int64_t KSLICE_BF16 = 128;  // k pairs per slice of a bf16 panel: 16 KiB, stays in L1 across row blocks
 
 enum Isa : int64_t { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
 
@@ -68,6 +72,50 @@ __attribute__((target("avx512f"))) void tile512(const float* __restrict a, int64
     }
   }
 }
+
+// ---- AVX-512 BF16: bf16 weights and activations, fp32 accumulation --------------------------
+// Panels hold k in pairs: [ceil(K/2)][32 columns][2], so one vdpbf16ps multiplies a broadcast
+// pair (x[r][2kk], x[r][2kk+1]) into 16 columns' pairs and adds both products to fp32 lanes:
+// twice the multiply-adds of an fp32 FMA per instruction, half the weight bytes.
+template <int MR>
+__attribute__((target("avx512f,avx512bf16"))) void tile_bf16(const uint16_t* __restrict a, int64_t lda,
+                                                              const uint16_t* __restrict w, int64_t K2,
+                                                              float* __restrict c, int64_t ldc, int ncols,
+                                                              bool accumulate) {
+  __m512 c0[MR], c1[MR];
+  const __mmask16 m0 = ncols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
+  const __mmask16 m1 = ncols <= 16 ? 0 : static_cast<__mmask16>((1u << (ncols - 16)) - 1);
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) {
+    c0[r] = accumulate ? _mm512_maskz_loadu_ps(m0, c + r * ldc) : _mm512_setzero_ps();
+    c1[r] = accumulate ? _mm512_maskz_loadu_ps(m1, c + r * ldc + 16) : _mm512_setzero_ps();
+  }
+  for (int64_t kk = 0; kk < K2; ++kk) {
+    const uint16_t* wk = w + kk * 2 * NB;
+    _mm_prefetch(reinterpret_cast<const char*>(wk + PF * 2 * NB), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wk + PF * 2 * NB + 32), _MM_HINT_T0);
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 32);
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, a + r * lda + 2 * kk, sizeof(pair));
+      const __m512bh av = (__m512bh)_mm512_set1_epi32(pair);
+      c0[r] = _mm512_dpbf16_ps(c0[r], av, w0);
+      c1[r] = _mm512_dpbf16_ps(c1[r], av, w1);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) {
+    _mm512_mask_storeu_ps(c + r * ldc, m0, c0[r]);
+    _mm512_mask_storeu_ps(c + r * ldc + 16, m1, c1[r]);
+  }
+}
+
+using TileBf16Fn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t, int, bool);
+static const TileBf16Fn tile_bf16_table[] = {nullptr,       tile_bf16<1>,  tile_bf16<2>,  tile_bf16<3>,
+                                             tile_bf16<4>,  tile_bf16<5>,  tile_bf16<6>,  tile_bf16<7>,
+                                             tile_bf16<8>,  tile_bf16<9>,  tile_bf16<10>, tile_bf16<11>,
+                                             tile_bf16<12>, tile_bf16<13>, tile_bf16<14>};
 
 // ---- AVX2 + FMA ----------------------------------------------------------------------------
 constexpr int MR256 = 3;  // 12 accumulators + 3 broadcasts + 1 weight vector = 16 registers
@@ -148,7 +196,96 @@ void check_packed(const torch::Tensor& wp, int64_t n) {
               " panels of ", NB);
 }
 
+bool cpu_has_bf16() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
+}
+
+// Runs fn(p) for each panel p, the threads splitting the panels, and x's rows in passes of MCHUNK.
+template <typename Fn>
+void for_panels(int64_t M, int64_t NP, int64_t mchunk, Fn fn) {
+  for (int64_t m_lo = 0; m_lo < M; m_lo += mchunk) {
+    const int64_t rows = std::min(mchunk, M - m_lo);
+    at::parallel_for(0, NP, 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t p = lo; p < hi; ++p) fn(p, m_lo, rows);
+    });
+  }
+}
+
 }  // namespace
+
+// Whether this CPU has the bf16 path (AVX512-BF16's vdpbf16ps).
+bool has_bf16() { return cpu_has_bf16(); }
+
+// w [N, K] (float32 or bfloat16) -> bf16 panels [ceil(N/32), ceil(K/2), 64]: for each k pair,
+// 32 columns' (w[j][2kk], w[j][2kk+1]); zero past N and past K.
+torch::Tensor pack_bf16(torch::Tensor w) {
+  TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 &&
+                  (w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kBFloat16),
+              "pack_bf16: expected a float32 or bfloat16 CPU matrix [N, K]");
+  w = w.to(torch::kBFloat16).contiguous();
+  const int64_t N = w.size(0), K = w.size(1), NP = (N + NB - 1) / NB, K2 = (K + 1) / 2;
+  auto out = torch::zeros({NP, K2, 2 * NB}, w.options());
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, NP, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t p = lo; p < hi; ++p)
+      for (int64_t j = 0; j < NB && p * NB + j < N; ++j) {
+        const uint16_t* row = src + (p * NB + j) * K;
+        uint16_t* col = dst + p * K2 * 2 * NB + 2 * j;
+        for (int64_t k = 0; k < K; ++k) col[(k / 2) * 2 * NB + k % 2] = row[k];
+      }
+  });
+  return out;
+}
+
+// x [M, K] (float32 or bfloat16) times the bf16 panels -> float32 [M, n]. x is rounded to bf16
+// (into a scratch copy when it is float32 or K is odd); the sums are fp32.
+torch::Tensor gemm_bf16(torch::Tensor x, torch::Tensor wp, int64_t n) {
+  TORCH_CHECK(cpu_has_bf16(), "gemm_bf16: this CPU has no AVX512-BF16");
+  TORCH_CHECK(wp.device().is_cpu() && wp.scalar_type() == torch::kBFloat16 && wp.dim() == 3 &&
+                  wp.size(2) == 2 * NB && wp.is_contiguous(),
+              "gemm_bf16: packed weight must be a contiguous bfloat16 CPU tensor [panels, K/2, 64]");
+  TORCH_CHECK(n > (wp.size(0) - 1) * NB && n <= wp.size(0) * NB, "gemm_bf16: n=", n, " does not match ", wp.size(0),
+              " panels of ", NB);
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 &&
+                  (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
+              "gemm_bf16: x must be a float32 or bfloat16 CPU matrix [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), NP = wp.size(0), K2 = wp.size(1);
+  TORCH_CHECK((K + 1) / 2 == K2, "gemm_bf16: x has K=", K, " but the packed weight has K=", 2 * K2, " (or one less)");
+  auto y = torch::empty({M, n}, x.options().dtype(torch::kFloat32));
+  if (M == 0 || n == 0) return y;
+  // x as bf16 rows of 2*K2 elements
+  torch::Tensor xb;
+  if (x.scalar_type() == torch::kBFloat16 && K % 2 == 0) {
+    xb = x.contiguous();
+  } else {
+    xb = torch::zeros({M, 2 * K2}, x.options().dtype(torch::kBFloat16));
+    xb.narrow(1, 0, K).copy_(x);
+  }
+  const uint16_t* a = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>());
+  float* c = y.data_ptr<float>();
+  const int64_t lda = 2 * K2;
+  for_panels(M, NP, MCHUNK_BF16, [&](int64_t p, int64_t m_lo, int64_t rows) {
+    const int ncols = static_cast<int>(std::min<int64_t>(NB, n - p * NB));
+    const int64_t nblocks = (rows + MR512 - 1) / MR512;
+    // With more than one row block, k is taken in slices whose panel part stays in L1 for all
+    // the row blocks (the sums go through y between slices).
+    const int64_t kslice = nblocks > 1 ? KSLICE_BF16 : K2;
+    for (int64_t k0 = 0; k0 < K2; k0 += kslice) {
+      const int64_t kn = std::min(kslice, K2 - k0);
+      int64_t m0 = m_lo;
+      for (int64_t b = 0; b < nblocks; ++b) {
+        const int64_t mr = (m_lo + rows - m0) / (nblocks - b);
+        tile_bf16_table[mr](a + m0 * lda + 2 * k0, lda, w + (p * K2 + k0) * 2 * NB, kn, c + m0 * n + p * NB, n, ncols,
+                            k0 > 0);
+        m0 += mr;
+      }
+    }
+  });
+  return y;
+}
 
 // The code path this CPU runs: "avx512", "avx2" or "portable".
 std::string isa() {
@@ -198,27 +335,25 @@ torch::Tensor gemm(torch::Tensor x, torch::Tensor wp, int64_t n, int64_t isa_ove
   const float* a = x.data_ptr<float>();
   const float* w = wp.data_ptr<float>();
   float* c = y.data_ptr<float>();
-  for (int64_t m_lo = 0; m_lo < M; m_lo += MCHUNK) {
-    const int64_t rows = std::min(MCHUNK, M - m_lo);
+  for_panels(M, NP, MCHUNK, [&](int64_t p, int64_t m_lo, int64_t rows) {
+    const int ncols = static_cast<int>(std::min<int64_t>(NB, n - p * NB));
     const int64_t nblocks = (rows + mr_max - 1) / mr_max;
-    at::parallel_for(0, NP, 1, [&](int64_t lo, int64_t hi) {
-      for (int64_t p = lo; p < hi; ++p) {
-        const int ncols = static_cast<int>(std::min<int64_t>(NB, n - p * NB));
-        int64_t m0 = m_lo;
-        for (int64_t b = 0; b < nblocks; ++b) {  // row blocks as even as possible: 32 = 11 + 11 + 10
-          const int64_t mr = (m_lo + rows - m0) / (nblocks - b);
-          table[mr](a + m0 * K, K, w + p * K * NB, K, c + m0 * n + p * NB, n, ncols);
-          m0 += mr;
-        }
-      }
-    });
-  }
+    int64_t m0 = m_lo;
+    for (int64_t b = 0; b < nblocks; ++b) {  // row blocks as even as possible: 32 = 10 + 11 + 11
+      const int64_t mr = (m_lo + rows - m0) / (nblocks - b);
+      table[mr](a + m0 * K, K, w + p * K * NB, K, c + m0 * n + p * NB, n, ncols);
+      m0 += mr;
+    }
+  });
   return y;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &isa, "the code path this CPU runs: avx512, avx2 or portable");
   m.def("pack", &pack, "w [N, K] float32 -> panels [ceil(N/32), K, 32]");
+  m.def("has_bf16", &has_bf16, "whether this CPU has the bf16 path (AVX512-BF16)");
+  m.def("pack_bf16", &pack_bf16, "w [N, K] -> bf16 panels [ceil(N/32), ceil(K/2), 64]");
+  m.def("gemm_bf16", &gemm_bf16, "x [M, K] (fp32 or bf16) @ W^T from the bf16 panels -> fp32 [M, n]");
   m.def("gemm", &gemm, "x [M, K] @ W^T from the packed panels -> [M, n]", py::arg("x"), py::arg("wp"), py::arg("n"),
         py::arg("isa_override") = -1);
 }

@@ -134,6 +134,15 @@ def cpp_linear_ok(weight: torch.Tensor) -> bool:
     return gemm_ext() is not None
 
 
+def cpp_bf16_ok() -> bool:
+    """Whether the C++ GEMM's bf16 path runs here (AVX512-BF16): bf16 panels, fp32 sums and
+    results, for the bf16 matrix-product mode over fp32 activations."""
+    from batchserve.runner.kernels import gemm_ext
+
+    ext = gemm_ext()
+    return ext is not None and bool(ext.has_bf16())
+
+
 def best_linear_backend(weight: torch.Tensor) -> str:
     """What `auto` picks for `weight`: the C++ panel GEMM where it has its AVX-512 path (measured
     1.2-1.8x faster than oneDNN at decode batches on this project's machine, on par for prefill),
@@ -148,16 +157,17 @@ def best_linear_backend(weight: torch.Tensor) -> str:
 
 class Linear:
     """y = x W^T on one of three backends, the weight stored once in that backend's layout:
-    `cpp`: the C++ panel GEMM on weights packed into 32-column panels; `onednn`: oneDNN on its
-    blocked layout; `torch`: F.linear on the dense weight."""
+    `cpp`: the C++ panel GEMM on weights packed into 32-column panels (bf16 weights: bf16 panels,
+    fp32 sums and a float32 result); `onednn`: oneDNN on its blocked layout; `torch`: F.linear on
+    the dense weight."""
 
-    __slots__ = ("w", "backend", "n", "_ext")
+    __slots__ = ("w", "backend", "n", "k", "_ext")
 
     def __init__(self, weight: torch.Tensor, backend: str = "torch") -> None:
         if backend not in ("torch", "onednn", "cpp"):
             raise ValueError(f"unknown linear backend {backend!r}")
         self.backend = backend
-        self.n = weight.shape[0]
+        self.n, self.k = weight.shape
         self._ext = None
         if backend == "cpp":
             from batchserve.runner.kernels import gemm_ext
@@ -165,7 +175,7 @@ class Linear:
             self._ext = gemm_ext()
             if self._ext is None:
                 raise RuntimeError("linear backend cpp: the C++ panel GEMM did not build here")
-            self.w = self._ext.pack(weight)
+            self.w = self._ext.pack_bf16(weight) if weight.dtype == torch.bfloat16 else self._ext.pack(weight)
         elif backend == "onednn":
             self.w = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
         else:
@@ -175,7 +185,10 @@ class Linear:
         if self.backend == "cpp":
             if x.dim() != 2:
                 return self(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.n)
-            return self._ext.gemm(x if x.is_contiguous() else x.contiguous(), self.w, self.n)
+            x = x if x.is_contiguous() else x.contiguous()
+            if self.w.dtype == torch.bfloat16:
+                return self._ext.gemm_bf16(x, self.w, self.n)
+            return self._ext.gemm(x, self.w, self.n)
         if self.backend == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.w, None, "none", [-1], "")
         return F.linear(x, self.w)
@@ -183,6 +196,9 @@ class Linear:
     @property
     def weight(self) -> torch.Tensor:
         """The dense [out, in] weight (unpacked on demand)."""
+        if self.backend == "cpp" and self.w.dtype == torch.bfloat16:  # [panels, K/2, 32 x 2]
+            p, k2 = self.w.shape[:2]
+            return self.w.view(p, k2, 32, 2).permute(0, 2, 1, 3).reshape(p * 32, 2 * k2)[: self.n, : self.k]
         if self.backend == "cpp":
             return self.w.permute(0, 2, 1).reshape(-1, self.w.shape[1])[: self.n]
         return self.w.to_dense() if self.backend == "onednn" else self.w
@@ -224,10 +240,14 @@ class LlamaModel(nn.Module):
         self.fused = fused if fits else None
         head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
         self.lm_head = Linear(head, self.linear_backend)
-        # bf16 products (matmul_dtype) run on oneDNN's packed bf16 layout whatever the fp32 backend.
+        # bf16 products (matmul_dtype): the C++ GEMM's bf16 path where the CPU has it, else oneDNN's
+        # packed bf16 layout (unless F.linear was asked for).
         layer_backend = self.linear_backend
-        if mm != self.embed.dtype:
-            layer_backend = "onednn" if self.linear_backend != "torch" and onednn_linear_ok(self.embed) else "torch"
+        if mm != self.embed.dtype and self.linear_backend != "torch":
+            if self.linear_backend == "cpp" and cpp_bf16_ok():
+                layer_backend = "cpp"
+            else:
+                layer_backend = "onednn" if onednn_linear_ok(self.embed) else "torch"
 
         def lin(t: torch.Tensor) -> Linear:
             return Linear(t.to(mm), layer_backend)
