@@ -15,7 +15,8 @@ variants interleaved in one process:
 - fp32 MKL packed GEMM (`torch.ops.mkl._mkl_linear`, weights packed once for a batch size);
 - int8 weight-only (`torch.ops.aten._weight_int8pack_mm`: int8 weights, per-channel scales,
   fp32 activations) — a quarter of the weight bytes, for the memory-bound small batches;
-- bf16 `F.linear` (weights and activations bf16), for reference.
+- bf16 `F.linear` (weights and activations bf16), for reference; bf16 oneDNN on packed weights
+  and the panel GEMM's bf16 path (the `--matmul-dtype bfloat16` backends).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 
 from batchserve.bench.foundation import publish
 from batchserve.bench.roofline import layer_shapes, median_time
-from batchserve.runner.models.llama import Linear, LlamaConfig, cpp_linear_ok, onednn_linear_ok
+from batchserve.runner.models.llama import Linear, LlamaConfig, cpp_bf16_ok, cpp_linear_ok, onednn_linear_ok
 
 TITLE = "## Matrix-product variants at the model's shapes (issue 9 items 2 and 5)"
 
@@ -75,13 +76,20 @@ def variants(cfg: LlamaConfig, m: int) -> dict[str, object]:
     wb = [[w.bfloat16() for w in layer] for layer in w32]
     xb = [x.bfloat16() for x in xs]
     out["bf16 F.linear"] = lambda: [F.linear(x, w) for layer in wb for x, w in zip(xb, layer)]
+    if onednn_linear_ok(torch.zeros(1)):
+        ob = [[Linear(w, "onednn") for w in layer] for layer in wb]
+        out["bf16 oneDNN on packed weights"] = lambda: [lin(x) for layer in ob for x, lin in zip(xb, layer)]
+    if cpp_bf16_ok():
+        cb = [[Linear(w, "cpp") for w in layer] for layer in wb]
+        out["bf16 C++ panel GEMM (AVX512-BF16, fp32 out)"] = lambda: [
+            lin(x) for layer in cb for x, lin in zip(xb, layer)]
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None)
-    p.add_argument("--rows", default="1,8,32,64,128")
+    p.add_argument("--rows", default="1,8,32,64,128,512")
     p.add_argument("--reps", type=int, default=7)
     a = p.parse_args(argv)
     cfg = LlamaConfig()  # SmolLM2-135M's shape
