@@ -132,3 +132,33 @@ def test_bf16_matmul_mode_picks_the_cpp_bf16_path_where_it_runs():
         x = m.layers[0]["w_down"](torch.randn(3, loaded.config.intermediate_size).bfloat16())
         assert x.shape == (3, loaded.config.hidden_size)
         torch.testing.assert_close(m.logits(h), fp32.logits(h), rtol=1e-4, atol=1e-4)  # the head stays fp32
+
+
+@pytest.mark.skipif(gemm_ext() is None, reason="no C++ toolchain")
+def test_panel_gemm_releases_the_gil():
+    """The C++ kernels run without the GIL, as torch's ops do, so the server's event loop keeps
+    running while the engine thread is inside one: a Python loop in this thread must keep
+    ticking through a ~0.3 s product in another thread."""
+    import threading
+    import time
+
+    ext = gemm_ext()
+    x, wp = torch.randn(6144, 2048), ext.pack(torch.randn(4096, 2048))
+    done = threading.Event()
+    took = []
+
+    def work():
+        t = time.perf_counter()
+        ext.gemm(x, wp, 4096)
+        took.append(time.perf_counter() - t)
+        done.set()
+
+    worker = threading.Thread(target=work)
+    last, gap = time.perf_counter(), 0.0
+    worker.start()
+    while not done.is_set():  # a held GIL would stall this loop for the whole call
+        now = time.perf_counter()
+        gap, last = max(gap, now - last), now
+    worker.join()
+    assert took[0] > 0.1, "the product was too short to tell"
+    assert gap < took[0] / 3, f"this thread stalled {gap:.3f} s of a {took[0]:.3f} s kernel call: GIL held"

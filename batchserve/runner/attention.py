@@ -6,7 +6,7 @@ The metadata is built once per step (`AttnMeta.build`) and shared by every layer
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,8 +20,21 @@ class PrefillSpan:
     start: int
     end: int
     ctx_start: int
-    ctx_slots: torch.Tensor | None  # [ctx_start + n] slots to read, None when ctx_start == 0
-    mask: torch.Tensor | None  # [n, ctx_start + n] bool, True = may attend
+    slots: torch.Tensor  # the request's slots in position order, [max_blocks * block_size] (CPU)
+    device: torch.device
+    _context: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+
+    def context(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """For the PyTorch path after cached history (ctx_start > 0): the slots to read
+        [ctx_start + n] and the mask [n, ctx_start + n] (True = may attend). Built on demand:
+        the C++ kernel needs neither, and the mask grows with chunk x context. Kept for the
+        step's other layers."""
+        if self._context is None:
+            n = self.end - self.start
+            ctx_slots = self.slots[:self.ctx_start + n].to(self.device)
+            q_pos = torch.arange(self.ctx_start, self.ctx_start + n, device=self.device)[:, None]
+            self._context = ctx_slots, torch.arange(self.ctx_start + n, device=self.device)[None, :] <= q_pos
+        return self._context
 
 
 @dataclass
@@ -64,12 +77,7 @@ class AttnMeta:
                 dec_reqs.append(i)
                 dec_lens.append(start + 1)
             else:
-                ctx_slots = mask = None
-                if start > 0:
-                    ctx_slots = slots_all[i, :start + n].to(device)
-                    q_pos = torch.arange(start, start + n, device=device)[:, None]
-                    mask = torch.arange(start + n, device=device)[None, :] <= q_pos
-                prefills.append(PrefillSpan(flat, flat + n, start, ctx_slots, mask))
+                prefills.append(PrefillSpan(flat, flat + n, start, slots_all[i], device))
                 pf_reqs.append(i)
             flat += n
         meta = AttnMeta(torch.cat(new_slots).to(device), None, None, None, None, prefills, False,
@@ -120,18 +128,20 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         # to its unfused math path (the whole score matrix, a dozen ops), 10-30x slower at 256-512
         # tokens than the flash kernel this shape gets (BENCHMARKS.md).
         qs = q[sp.start:sp.end].transpose(0, 1)[None]  # [1, n_h, n, hd]
-        if sp.ctx_slots is None:
+        mask = None
+        if sp.ctx_start == 0:
             ks, vs = k[sp.start:sp.end], v[sp.start:sp.end]  # [n, n_kv, hd]
         else:
-            ks = k_cache.index_select(0, sp.ctx_slots).to(q.dtype)  # [ctx, n_kv, hd]
-            vs = v_cache.index_select(0, sp.ctx_slots).to(q.dtype)
+            ctx_slots, mask = sp.context()
+            ks = k_cache.index_select(0, ctx_slots).to(q.dtype)  # [ctx, n_kv, hd]
+            vs = v_cache.index_select(0, ctx_slots).to(q.dtype)
         if g > 1:
             ks, vs = ks.repeat_interleave(g, dim=1), vs.repeat_interleave(g, dim=1)
         ks, vs = ks.transpose(0, 1)[None], vs.transpose(0, 1)[None]  # [1, n_h, ctx, hd]
-        if sp.ctx_slots is None:
+        if mask is None:
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
         else:
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=sp.mask)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)
         out[sp.start:sp.end] = o[0].transpose(0, 1)
     if meta.dec_rows is not None:
         qd = q[meta.dec_lo:meta.dec_hi] if meta.dec_contiguous else q[meta.dec_rows]  # [Bd, n_h, hd]

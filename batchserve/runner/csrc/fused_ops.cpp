@@ -204,7 +204,10 @@ torch::Tensor silu_mul(torch::Tensor gu) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("add_rms_norm", &add_rms_norm, "x += delta in place; rms_norm(x) * w (float32 or bfloat16 out)");
-  m.def("rope_store", &rope_store, "RoPE on q, k; k, v into the paged cache; q, k, v as float32");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up from the fused gate/up product");
+  // The kernels run without the GIL (ATen needs none), like torch's own ops: the server's
+  // event loop thread keeps answering while the engine thread is inside them.
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("add_rms_norm", &add_rms_norm, "x += delta in place; rms_norm(x) * w (float32 or bfloat16 out)", nogil);
+  m.def("rope_store", &rope_store, "RoPE on q, k; k, v into the paged cache; q, k, v as float32", nogil);
+  m.def("silu_mul", &silu_mul, "silu(gate) * up from the fused gate/up product", nogil);
 }

@@ -349,11 +349,14 @@ torch::Tensor gemm(torch::Tensor x, torch::Tensor wp, int64_t n, int64_t isa_ove
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // The kernels run without the GIL (ATen needs none), like torch's own ops: the server's
+  // event loop thread keeps answering while the engine thread is inside them.
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("isa", &isa, "the code path this CPU runs: avx512, avx2 or portable");
-  m.def("pack", &pack, "w [N, K] float32 -> panels [ceil(N/32), K, 32]");
+  m.def("pack", &pack, "w [N, K] float32 -> panels [ceil(N/32), K, 32]", nogil);
   m.def("has_bf16", &has_bf16, "whether this CPU has the bf16 path (AVX512-BF16)");
-  m.def("pack_bf16", &pack_bf16, "w [N, K] -> bf16 panels [ceil(N/32), ceil(K/2), 64]");
-  m.def("gemm_bf16", &gemm_bf16, "x [M, K] (fp32 or bf16) @ W^T from the bf16 panels -> fp32 [M, n]");
-  m.def("gemm", &gemm, "x [M, K] @ W^T from the packed panels -> [M, n]", py::arg("x"), py::arg("wp"), py::arg("n"),
+  m.def("pack_bf16", &pack_bf16, "w [N, K] -> bf16 panels [ceil(N/32), ceil(K/2), 64]", nogil);
+  m.def("gemm_bf16", &gemm_bf16, "x [M, K] (fp32 or bf16) @ W^T from the bf16 panels -> fp32 [M, n]", nogil);
+  m.def("gemm", &gemm, "x [M, K] @ W^T from the packed panels -> [M, n]", nogil, py::arg("x"), py::arg("wp"), py::arg("n"),
         py::arg("isa_override") = -1);
 }

@@ -731,7 +731,10 @@ void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "decode attention over the paged KV cache (fp32 math; fp32 or bf16 cache)");
+  // The kernels run without the GIL (ATen needs none), like torch's own ops: the server's
+  // event loop thread keeps answering while the engine thread is inside them.
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("paged_decode", &paged_decode, "decode attention over the paged KV cache (fp32 math; fp32 or bf16 cache)", nogil);
   m.def("prefill_supported", &prefill_supported, "whether paged_prefill runs for this head_dim here");
-  m.def("paged_prefill", &paged_prefill, "causal attention of prompt chunks over the paged KV cache, into out");
+  m.def("paged_prefill", &paged_prefill, "causal attention of prompt chunks over the paged KV cache, into out", nogil);
 }
