@@ -7,7 +7,8 @@
 // outputs per row. Threads split the panels; within a panel the row blocks follow one another,
 // so the first reads the panel from memory (prefetched ahead) and the others find it in L2.
 // Each weight is read from memory once per step whatever the batch: at decode sizes (M of 1 to
-// 128) this is 1.2-1.8x faster here than oneDNN on its own packed layout (BENCHMARKS.md).
+// 64) this is 1.25-1.4x faster here than oneDNN on its own packed layout, 1.1x at 128 rows and
+// on par at 512 (BENCHMARKS.md). A bf16 variant (AVX512-BF16) serves --matmul-dtype bfloat16.
 //
 // Three code paths share the layout: AVX-512F, AVX2+FMA, and portable C++. The vector paths are
 // compiled with function target attributes, so the module holds all three whatever -march says,

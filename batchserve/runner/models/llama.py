@@ -145,7 +145,7 @@ def cpp_bf16_ok() -> bool:
 
 def best_linear_backend(weight: torch.Tensor) -> str:
     """What `auto` picks for `weight`: the C++ panel GEMM where it has its AVX-512 path (measured
-    1.2-1.8x faster than oneDNN at decode batches on this project's machine, on par for prefill),
+    1.25-1.4x faster than oneDNN at 1-64 rows on this project's machine, on par for prefill),
     else oneDNN on packed weights where that runs, else F.linear."""
     if cpp_linear_ok(weight):
         from batchserve.runner.kernels import gemm_ext
