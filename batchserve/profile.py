@@ -26,16 +26,21 @@ from batchserve.core.batch import ScheduledBatch, ScheduledSeq
 from batchserve.request import SamplingParams
 
 log = logging.getLogger(__name__)
-TERMS = ("const", "prefill_token", "decode_seq", "decode_ktoken", "prefill_mpair")
+TERMS = ("const", "prefill_token", "decode_seq", "decode_ktoken", "prefill_mpair", "row_excess")
+# Row counts tried as the knee of the matrix products: below it a step streams the weights and
+# barely grows with rows, above it each row adds its arithmetic (row_excess = rows past the knee).
+KNEE_CANDIDATES = (4, 8, 16, 32, 64, 128)
 TINY_MODEL = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048}
 _GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
 
 
-def features(prefills: list[tuple[int, int]], decode_ctx: list[int]) -> list[float]:
-    """Regressors of one step: prefills as (start_pos, num_tokens), decodes by context length."""
+def features(prefills: list[tuple[int, int]], decode_ctx: list[int], row_knee: int | None = None) -> list[float]:
+    """Regressors of one step: prefills as (start_pos, num_tokens), decodes by context length;
+    with `row_knee`, also the step's rows (tokens) past it (0 without a knee)."""
+    rows = sum(n for _, n in prefills) + len(decode_ctx)
     return [1.0, float(sum(n for _, n in prefills)), float(len(decode_ctx)), sum(decode_ctx) / 1e3,
-            sum(n * (s + n) for s, n in prefills) / 1e6]
+            sum(n * (s + n) for s, n in prefills) / 1e6, float(max(0, rows - row_knee)) if row_knee else 0.0]
 
 
 def fit(rows: list[list[float]], times: list[float]) -> list[float]:
@@ -81,6 +86,7 @@ class ProfiledLatencyModel:
     coef: dict[str, float]
     context_len: int = 256
     knee_batch: int | None = None
+    row_knee: int | None = None  # rows where the products turn from weight-bound to arithmetic-bound
     max_batch_by_context: dict[int, int] = field(default_factory=dict)
     max_model_len: int = 0
     kv_bytes_per_token: int | None = None
@@ -92,7 +98,7 @@ class ProfiledLatencyModel:
         """Seconds for one step: a prompt chunk of `prefill_tokens` plus `decode_seqs` decodes
         at `context_len` tokens each (default: the profile's reference context)."""
         ctx = self.context_len if context_len is None else context_len
-        x = features([(0, prefill_tokens)] if prefill_tokens else [], [ctx] * decode_seqs)
+        x = features([(0, prefill_tokens)] if prefill_tokens else [], [ctx] * decode_seqs, self.row_knee)
         return self._eval(x)
 
     def predict_step(self, num_tokens: int, num_seqs: int, context: int | None = None) -> float:
@@ -103,8 +109,9 @@ class ProfiledLatencyModel:
         prefill = num_tokens - decodes
         if context is None or decodes == 0:
             return self.predict(prefill, decodes)
-        x = features([(0, prefill)] if prefill else [], [])
+        x = features([(0, prefill)] if prefill else [], [], self.row_knee)
         x[2], x[3] = float(decodes), max(0, context - prefill) / 1e3
+        x[5] = float(max(0, prefill + decodes - self.row_knee)) if self.row_knee else 0.0
         return self._eval(x)
 
     def _eval(self, x: list[float]) -> float:
@@ -126,8 +133,9 @@ class ProfiledLatencyModel:
         with open(path) as f:
             d = json.load(f)
         fitm = d["fit"]
-        return cls(coef={t: float(fitm["coef"][t]) for t in TERMS}, context_len=int(fitm["context_len"]),
-                   knee_batch=d.get("knee", {}).get("batch"),
+        # profiles written before row_excess existed have no such term: 0, the old model
+        return cls(coef={t: float(fitm["coef"].get(t, 0.0)) for t in TERMS}, context_len=int(fitm["context_len"]),
+                   knee_batch=d.get("knee", {}).get("batch"), row_knee=fitm.get("row_knee"),
                    max_batch_by_context={int(k): v for k, v in d.get("max_batch_by_context", {}).items()},
                    max_model_len=int(d.get("max_model_len", 0)), kv_bytes_per_token=d.get("kv_bytes_per_token"),
                    kv_blocks=d.get("num_blocks"))
@@ -165,6 +173,20 @@ def time_step(runner, batch: ScheduledBatch, reps: int) -> float:
         runner.execute(batch)
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts)
+
+
+def fit_with_knee(samples: list[dict]) -> tuple[int | None, list[float], list[float]]:
+    """The fit (see `fit`) at each candidate row knee, and without one; the one with the least
+    mean relative error wins. Returns (knee or None, coefficients, relative errors)."""
+    times = [s["seconds"] for s in samples]
+    best = None
+    for k in (None, *KNEE_CANDIDATES):
+        rows = [features(s["prefills"], s["decode_ctx"], k) for s in samples]
+        coef = fit(rows, times)
+        errs = [abs(sum(c * x for c, x in zip(coef, r)) - t) / t for r, t in zip(rows, times)]
+        if best is None or np.mean(errs) < np.mean(best[2]) - 1e-9:
+            best = (k, coef, errs)
+    return best
 
 
 def grid(quick: bool) -> tuple[list[int], list[int], list[int]]:
@@ -207,9 +229,7 @@ def run_profile(config: EngineConfig, quick: bool = False, reps: int = 3) -> dic
     for p in prefill_sizes[:2]:  # mixed steps, as chunked / continuous run them
         for b in batch_sizes[1::2]:
             measure([(0, p)], [contexts[0]] * b)
-    coef = fit([features(s["prefills"], s["decode_ctx"]) for s in samples], [s["seconds"] for s in samples])
-    pred = [sum(c * x for c, x in zip(coef, features(s["prefills"], s["decode_ctx"]))) for s in samples]
-    errs = [abs(p - s["seconds"]) / s["seconds"] for p, s in zip(pred, samples)]
+    row_knee, coef, errs = fit_with_knee(samples)
     ref = contexts[0]
     sizes = [b for b, _ in curves[ref]]
     tput = [b / t for b, t in curves[ref]]
@@ -218,7 +238,7 @@ def run_profile(config: EngineConfig, quick: bool = False, reps: int = 3) -> dic
         "model": loaded.name, "device": config.model.device, "dtype": config.model.dtype,
         "block_size": bs, "num_blocks": runner.num_blocks, "max_model_len": runner.max_model_len,
         "kv_bytes_per_token": kv_bytes_per_block(runner.cfg, bs, runner.dtype) // bs,
-        "fit": {"terms": list(TERMS), "coef": dict(zip(TERMS, coef)), "context_len": ref,
+        "fit": {"terms": list(TERMS), "coef": dict(zip(TERMS, coef)), "context_len": ref, "row_knee": row_knee,
                 "mean_rel_error": float(np.mean(errs)), "max_rel_error": float(np.max(errs))},
         "max_batch_by_context": {str(c): runner.num_blocks // -(-c // bs) for c in contexts},
         "decode_curves": {str(c): [{"batch": b, "step_s": t, "tokens_per_s": b / t} for b, t in pts]

@@ -91,3 +91,28 @@ def test_engine_uses_the_profile_for_step_predictions(tmp_path, make_fake_engine
     assert isinstance(eng.scheduler.latency, ProfiledLatencyModel)
     assert eng.scheduler.latency.predict_step(4, 4) == pytest.approx(0.01 + 4 * 1e-3)  # 4 decodes
     assert eng.scheduler.latency.predict_step(20, 1) == pytest.approx(0.01 + 20 * 1e-4)  # a prompt
+
+
+def test_fit_finds_the_row_knee_of_the_matrix_products():
+    """Steps that barely grow up to 16 rows (the weights' stream bounds them) and then add each
+    row's arithmetic: the fit picks the knee at 16 and follows both sides, where the straight
+    fit misses the small steps or the big ones."""
+    from batchserve.profile import fit_with_knee
+
+    def step(pre, dec):  # 10 ms up to 16 rows, +0.6 ms a row after; attention terms on top
+        rows = sum(n for _, n in pre) + len(dec)
+        return 0.010 + 0.0006 * max(0, rows - 16) + 0.002 * sum(dec) / 1e3 + 0.3 * sum(n * (s + n) for s, n in pre) / 1e6
+
+    samples = [{"prefills": [(0, p)], "decode_ctx": [], "seconds": step([(0, p)], [])} for p in (16, 64, 256, 512)]
+    samples += [{"prefills": [], "decode_ctx": [c] * b, "seconds": step([], [c] * b)}
+                for c in (128, 512) for b in (1, 2, 4, 8, 16, 32, 64, 128)]
+    k, coef, errs = fit_with_knee(samples)
+    assert k == 16 and max(errs) < 0.02
+    straight = fit([features(s["prefills"], s["decode_ctx"]) for s in samples], [s["seconds"] for s in samples])
+    worst = max(abs(sum(c * x for c, x in zip(straight, features(s["prefills"], s["decode_ctx"]))) - s["seconds"])
+                / s["seconds"] for s in samples)
+    assert worst > 5 * max(errs)
+    m = ProfiledLatencyModel(coef=dict(zip(TERMS, coef)), context_len=128, row_knee=k)
+    assert m.predict_step(8, 8) == pytest.approx(step([], [128] * 8), rel=0.02)
+    assert m.predict_step(64, 64) == pytest.approx(step([], [128] * 64), rel=0.02)
+    assert m.predict_step(64, 64, context=64 * 128) == pytest.approx(m.predict_step(64, 64), rel=1e-6)

@@ -159,7 +159,7 @@ class ProfiledCost:
                 decode_ctx.append(s.start_pos)
             else:
                 prefills.append((s.start_pos, len(s.token_ids)))
-        x = self._features(prefills, decode_ctx)  # the profile's own regressors
+        x = self._features(prefills, decode_ctx, self.profile.row_knee)  # the profile's own regressors
         return max(0.0, sum(c * v for c, v in zip(self._coef, x)))
 
     def num_blocks(self, block_size: int) -> int:
