@@ -33,6 +33,12 @@ constexpr int64_t KSLICE_BF16 = 128;  // k pairs per slice of a bf16 panel: 16 K
 
 enum Isa : int64_t { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
 
+// Lane masks of a panel's two 16-column halves when only `ncols` of its 32 columns exist.
+__attribute__((target("avx512f"))) inline void tail_masks(int ncols, __mmask16& m0, __mmask16& m1) {
+  m0 = ncols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
+  m1 = ncols <= 16 ? 0 : static_cast<__mmask16>((1u << (ncols - 16)) - 1);
+}
+
 // ---- AVX-512 -------------------------------------------------------------------------------
 constexpr int MR512 = 14;  // 28 accumulators + 2 weight vectors + 1 broadcast = 31 of 32 registers
 
@@ -65,8 +71,8 @@ __attribute__((target("avx512f"))) void tile512(const float* __restrict a, int64
       _mm512_storeu_ps(c + r * ldc + 16, c1[r]);
     }
   } else {  // the last panel of an N that is not a multiple of 32
-    const __mmask16 m0 = ncols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
-    const __mmask16 m1 = ncols <= 16 ? 0 : static_cast<__mmask16>((1u << (ncols - 16)) - 1);
+    __mmask16 m0, m1;
+    tail_masks(ncols, m0, m1);
     for (int r = 0; r < MR; ++r) {
       _mm512_mask_storeu_ps(c + r * ldc, m0, c0[r]);
       _mm512_mask_storeu_ps(c + r * ldc + 16, m1, c1[r]);
@@ -84,8 +90,8 @@ __attribute__((target("avx512f,avx512bf16"))) void tile_bf16(const uint16_t* __r
                                                               float* __restrict c, int64_t ldc, int ncols,
                                                               bool accumulate) {
   __m512 c0[MR], c1[MR];
-  const __mmask16 m0 = ncols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
-  const __mmask16 m1 = ncols <= 16 ? 0 : static_cast<__mmask16>((1u << (ncols - 16)) - 1);
+  __mmask16 m0, m1;
+  tail_masks(ncols, m0, m1);
 #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) {
     c0[r] = accumulate ? _mm512_maskz_loadu_ps(m0, c + r * ldc) : _mm512_setzero_ps();
@@ -112,11 +118,13 @@ __attribute__((target("avx512f,avx512bf16"))) void tile_bf16(const uint16_t* __r
   }
 }
 
+// fn##_table[mr] is fn<mr>, for the row-block sizes 1..14 a call may need.
+#define BATCHSERVE_TILES(Type, fn)                                                                    \
+  static const Type fn##_table[] = {nullptr, fn<1>, fn<2>, fn<3>, fn<4>, fn<5>, fn<6>, fn<7>, fn<8>, \
+                                    fn<9>, fn<10>, fn<11>, fn<12>, fn<13>, fn<14>}
+
 using TileBf16Fn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t, int, bool);
-static const TileBf16Fn tile_bf16_table[] = {nullptr,       tile_bf16<1>,  tile_bf16<2>,  tile_bf16<3>,
-                                             tile_bf16<4>,  tile_bf16<5>,  tile_bf16<6>,  tile_bf16<7>,
-                                             tile_bf16<8>,  tile_bf16<9>,  tile_bf16<10>, tile_bf16<11>,
-                                             tile_bf16<12>, tile_bf16<13>, tile_bf16<14>};
+BATCHSERVE_TILES(TileBf16Fn, tile_bf16);
 
 // ---- AVX2 + FMA ----------------------------------------------------------------------------
 constexpr int MR256 = 3;  // 12 accumulators + 3 broadcasts + 1 weight vector = 16 registers
@@ -173,14 +181,10 @@ void tile_portable(const float* __restrict a, int64_t lda, const float* __restri
 
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int);
 
-#define BATCHSERVE_TILES(fn, n)                                                                         \
-  static const TileFn fn##_table[] = {nullptr, fn<1>, fn<2>, fn<3>, fn<4>, fn<5>, fn<6>, fn<7>, fn<8>, \
-                                      fn<9>, fn<10>, fn<11>, fn<12>, fn<13>, fn<14>};                   \
-  static_assert(n <= 14, "tile table")
-
-BATCHSERVE_TILES(tile512, MR512);
-BATCHSERVE_TILES(tile256, MR256);
-BATCHSERVE_TILES(tile_portable, MRP);
+static_assert(MR512 <= 14 && MR256 <= 14 && MRP <= 14, "the tile tables stop at 14 rows");
+BATCHSERVE_TILES(TileFn, tile512);
+BATCHSERVE_TILES(TileFn, tile256);
+BATCHSERVE_TILES(TileFn, tile_portable);
 
 Isa best_isa() {
   __builtin_cpu_init();
@@ -189,12 +193,17 @@ Isa best_isa() {
   return kPortable;
 }
 
+// n output columns fill `wp`'s panels, the last one at least in part.
+void check_n(const torch::Tensor& wp, int64_t n, const char* what) {
+  TORCH_CHECK(n > (wp.size(0) - 1) * NB && n <= wp.size(0) * NB, what, ": n=", n, " does not match ", wp.size(0),
+              " panels of ", NB);
+}
+
 void check_packed(const torch::Tensor& wp, int64_t n) {
   TORCH_CHECK(wp.device().is_cpu() && wp.scalar_type() == torch::kFloat32 && wp.dim() == 3 && wp.size(2) == NB &&
                   wp.is_contiguous(),
               "gemm: packed weight must be a contiguous float32 CPU tensor [panels, K, 32]");
-  TORCH_CHECK(n > (wp.size(0) - 1) * NB && n <= wp.size(0) * NB, "gemm: n=", n, " does not match ", wp.size(0),
-              " panels of ", NB);
+  check_n(wp, n, "gemm");
 }
 
 bool cpu_has_bf16() {
@@ -210,6 +219,19 @@ void for_panels(int64_t M, int64_t NP, int64_t mchunk, Fn fn) {
     at::parallel_for(0, NP, 1, [&](int64_t lo, int64_t hi) {
       for (int64_t p = lo; p < hi; ++p) fn(p, m_lo, rows);
     });
+  }
+}
+
+// Calls fn(m0, mr) for row blocks of at most mr_max covering rows [m_lo, m_lo + rows), as even
+// as possible (32 rows at 14: 10 + 11 + 11).
+template <typename Fn>
+void for_row_blocks(int64_t m_lo, int64_t rows, int64_t mr_max, Fn fn) {
+  const int64_t nblocks = (rows + mr_max - 1) / mr_max;
+  int64_t m0 = m_lo;
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t mr = (m_lo + rows - m0) / (nblocks - b);
+    fn(m0, mr);
+    m0 += mr;
   }
 }
 
@@ -247,8 +269,7 @@ torch::Tensor gemm_bf16(torch::Tensor x, torch::Tensor wp, int64_t n) {
   TORCH_CHECK(wp.device().is_cpu() && wp.scalar_type() == torch::kBFloat16 && wp.dim() == 3 &&
                   wp.size(2) == 2 * NB && wp.is_contiguous(),
               "gemm_bf16: packed weight must be a contiguous bfloat16 CPU tensor [panels, K/2, 64]");
-  TORCH_CHECK(n > (wp.size(0) - 1) * NB && n <= wp.size(0) * NB, "gemm_bf16: n=", n, " does not match ", wp.size(0),
-              " panels of ", NB);
+  check_n(wp, n, "gemm_bf16");
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 &&
                   (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
               "gemm_bf16: x must be a float32 or bfloat16 CPU matrix [M, K]");
@@ -270,19 +291,15 @@ torch::Tensor gemm_bf16(torch::Tensor x, torch::Tensor wp, int64_t n) {
   const int64_t lda = 2 * K2;
   for_panels(M, NP, MCHUNK_BF16, [&](int64_t p, int64_t m_lo, int64_t rows) {
     const int ncols = static_cast<int>(std::min<int64_t>(NB, n - p * NB));
-    const int64_t nblocks = (rows + MR512 - 1) / MR512;
     // With more than one row block, k is taken in slices whose panel part stays in L1 for all
     // the row blocks (the sums go through y between slices).
-    const int64_t kslice = nblocks > 1 ? KSLICE_BF16 : K2;
+    const int64_t kslice = rows > MR512 ? KSLICE_BF16 : K2;
     for (int64_t k0 = 0; k0 < K2; k0 += kslice) {
       const int64_t kn = std::min(kslice, K2 - k0);
-      int64_t m0 = m_lo;
-      for (int64_t b = 0; b < nblocks; ++b) {
-        const int64_t mr = (m_lo + rows - m0) / (nblocks - b);
+      for_row_blocks(m_lo, rows, MR512, [&](int64_t m0, int64_t mr) {
         tile_bf16_table[mr](a + m0 * lda + 2 * k0, lda, w + (p * K2 + k0) * 2 * NB, kn, c + m0 * n + p * NB, n, ncols,
                             k0 > 0);
-        m0 += mr;
-      }
+      });
     }
   });
   return y;
@@ -338,13 +355,9 @@ torch::Tensor gemm(torch::Tensor x, torch::Tensor wp, int64_t n, int64_t isa_ove
   float* c = y.data_ptr<float>();
   for_panels(M, NP, MCHUNK, [&](int64_t p, int64_t m_lo, int64_t rows) {
     const int ncols = static_cast<int>(std::min<int64_t>(NB, n - p * NB));
-    const int64_t nblocks = (rows + mr_max - 1) / mr_max;
-    int64_t m0 = m_lo;
-    for (int64_t b = 0; b < nblocks; ++b) {  // row blocks as even as possible: 32 = 10 + 11 + 11
-      const int64_t mr = (m_lo + rows - m0) / (nblocks - b);
+    for_row_blocks(m_lo, rows, mr_max, [&](int64_t m0, int64_t mr) {
       table[mr](a + m0 * K, K, w + p * K * NB, K, c + m0 * n + p * NB, n, ncols);
-      m0 += mr;
-    }
+    });
   });
   return y;
 }

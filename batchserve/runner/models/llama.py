@@ -161,21 +161,23 @@ class Linear:
     fp32 sums and a float32 result); `onednn`: oneDNN on its blocked layout; `torch`: F.linear on
     the dense weight."""
 
-    __slots__ = ("w", "backend", "n", "k", "_ext")
+    __slots__ = ("w", "backend", "n", "k", "_gemm")
 
     def __init__(self, weight: torch.Tensor, backend: str = "torch") -> None:
         if backend not in ("torch", "onednn", "cpp"):
             raise ValueError(f"unknown linear backend {backend!r}")
         self.backend = backend
         self.n, self.k = weight.shape
-        self._ext = None
+        self._gemm = None  # the C++ product for this weight's dtype (cpp backend)
         if backend == "cpp":
             from batchserve.runner.kernels import gemm_ext
 
-            self._ext = gemm_ext()
-            if self._ext is None:
+            ext = gemm_ext()
+            if ext is None:
                 raise RuntimeError("linear backend cpp: the C++ panel GEMM did not build here")
-            self.w = self._ext.pack_bf16(weight) if weight.dtype == torch.bfloat16 else self._ext.pack(weight)
+            bf16 = weight.dtype == torch.bfloat16
+            self.w = ext.pack_bf16(weight) if bf16 else ext.pack(weight)
+            self._gemm = ext.gemm_bf16 if bf16 else ext.gemm
         elif backend == "onednn":
             self.w = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
         else:
@@ -185,10 +187,7 @@ class Linear:
         if self.backend == "cpp":
             if x.dim() != 2:
                 return self(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.n)
-            x = x if x.is_contiguous() else x.contiguous()
-            if self.w.dtype == torch.bfloat16:
-                return self._ext.gemm_bf16(x, self.w, self.n)
-            return self._ext.gemm(x, self.w, self.n)
+            return self._gemm(x if x.is_contiguous() else x.contiguous(), self.w, self.n)
         if self.backend == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.w, None, "none", [-1], "")
         return F.linear(x, self.w)
