@@ -25,6 +25,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--matmul-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="bfloat16: the decoder layers' matrix products in bf16 over float32 activations, norms, "
                         "KV cache and LM head (auto: as --dtype)")
+    g.add_argument("--quantized-weights", default="auto", choices=["auto", "off"],
+                   help="auto: multiply from a GGUF file's Q4_1/Q8_0 blocks as stored (C++ GEMM, float32 math; "
+                        "the same products as the dequantized weights from ~5x fewer bytes); off: dequantize at load")
     g = p.add_argument_group("kv cache")
     g.add_argument("--kv-cache-gb", type=float, default=CacheConfig.kv_cache_gb)
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -82,7 +85,8 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         model=ModelConfig(model=a.model, dtype=a.dtype, device=a.device, num_threads=a.threads,
                           attention_backend=getattr(a, "attention_backend", "auto"),
                           linear_backend=getattr(a, "linear_backend", "auto"),
-                          matmul_dtype=getattr(a, "matmul_dtype", "auto")),
+                          matmul_dtype=getattr(a, "matmul_dtype", "auto"),
+                          quantized_weights=getattr(a, "quantized_weights", "auto")),
         cache=CacheConfig(block_size=a.block_size, kv_cache_gb=a.kv_cache_gb, num_blocks=a.num_blocks,
                           prefix_caching=a.prefix_caching, kv_cache_dtype=getattr(a, "kv_cache_dtype", "auto")),
         scheduler=SchedulerConfig(policy=a.policy, max_num_seqs=a.max_num_seqs,

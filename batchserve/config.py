@@ -35,6 +35,10 @@ class ModelConfig:
     # auto: the matrix products in `dtype`; bfloat16 with dtype float32: the decoder layers' products
     # in bf16 (half the weight bytes; where the CPU has bf16 instructions, faster), all else float32
     matmul_dtype: str = "auto"
+    # auto: a GGUF file's Q4_1 / Q8_0 matrices stay in their blocks and the C++ GEMM multiplies
+    # from them (CPU, float32, AVX-512 or the scratch path elsewhere): the same products as the
+    # dequantized float32 weights, bit for bit, from 5x fewer weight bytes; off: dequantize at load
+    quantized_weights: str = "auto"
 
     def __post_init__(self) -> None:
         _check(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
@@ -47,6 +51,8 @@ class ModelConfig:
                f"must be auto, cpp, onednn or torch, got {self.linear_backend!r}")
         _check(self.matmul_dtype in ("auto", self.dtype, "bfloat16"), "matmul_dtype",
                f"must be auto, {self.dtype!r} or bfloat16 (with dtype float32), got {self.matmul_dtype!r}")
+        _check(self.quantized_weights in ("auto", "off"), "quantized_weights",
+               f"must be auto or off, got {self.quantized_weights!r}")
         _check(self.matmul_dtype != "bfloat16" or self.dtype in ("float32", "bfloat16"), "matmul_dtype",
                f"bfloat16 matrix products need dtype float32 or bfloat16, got dtype {self.dtype!r}")
 

@@ -15,7 +15,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from batchserve.bench.roofline import decode_ceiling, measure_machine, median_time, prefill_ceiling
+from batchserve.bench.roofline import (decode_ceiling, measure_machine, median_time, prefill_ceiling,
+                                       stored_weight_bytes)
 from batchserve.core.batch import ScheduledBatch, ScheduledSeq
 from batchserve.core.kv_cache import KVCacheManager
 from batchserve.request import SamplingParams
@@ -115,23 +116,33 @@ def main(argv: list[str] | None = None) -> None:
     llm = LLM(kv_cache_gb=2.0, max_num_seqs=64, max_num_batched_tokens=2048)
     runner, cfg = llm.engine.executor, llm.engine.executor.cfg
     mach = measure_machine(cfg)
+    qm = runner.model.quantized_matrices
+    wbytes = stored_weight_bytes(runner.model)
+    fp32_bytes = 4 * sum(lin.n * lin.k for layer in runner.model.layers
+                         for lin in (layer["wqkv"], layer["wo"], layer["w_gate_up"], layer["w_down"]))
+    fp32_bytes += 4 * runner.model.lm_head.n * runner.model.lm_head.k
     lines = [f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch "
              f"{torch.__version__}, {mach.threads} threads. Matmul at the model's shapes: "
              + ", ".join(f"M={m}: {r:.0f}" for m, r in mach.matmul_gflops.items())
              + f" GFLOP/s (peak {mach.peak_gflops:.0f}; the best of "
              + "; ".join(f"{b}: " + ", ".join(f"{r:.0f}" for r in by_m.values())
                          for b, by_m in (mach.by_backend or {}).items())
-             + f"); memory {mach.bandwidth_gbs:.1f} GB/s. The model runs on {runner.model.linear_backend}.", "",
-             "| decode batch (ctx 128) | step ms | linear ms | step/linear | tok/s | ceiling tok/s | % of ceiling |",
-             "|---|---|---|---|---|---|---|"]
+             + f"); memory {mach.bandwidth_gbs:.1f} GB/s. The model runs on {runner.model.linear_backend}"
+             + (f", {qm} of its matrices from their GGUF blocks ({wbytes / 1e6:.0f} MB read per decode step "
+                f"against {fp32_bytes / 1e6:.0f} MB as float32)" if qm else "") + ".", "",
+             "| decode batch (ctx 128) | step ms | linear ms | step/linear | tok/s | ceiling tok/s (fp32 weights) "
+             "| % of ceiling |" + (" ceiling tok/s (stored weights) | % of it |" if qm else ""),
+             "|---|---|---|---|---|---|---|" + ("---|---|" if qm else "")]
     kv = KVCacheManager(runner.num_blocks, runner.block_size)
     for b in [int(x) for x in a.batches.split(",")]:
         batch = decode_batch(kv, b, 128)
         step = median_time(lambda: runner.execute(batch), 5)
         lin = linear_only(runner.model, b)
         ceil = decode_ceiling(cfg, mach, b, 128)
+        own = decode_ceiling(cfg, mach, b, 128, weight_bytes=wbytes)
         lines.append(f"| {b} | {step * 1e3:.1f} | {lin * 1e3:.1f} | {step / lin:.2f} | {b / step:.0f} | "
-                     f"{ceil:.0f} | {100 * b / step / ceil:.0f}% |")
+                     f"{ceil:.0f} | {100 * b / step / ceil:.0f}% |"
+                     + (f" {own:.0f} | {100 * b / step / own:.0f}% |" if qm else ""))
         for i in range(b):
             kv.free(f"d{i}")
     for plen, nseq in ((512, 1), (256, 4)):
@@ -150,11 +161,14 @@ def main(argv: list[str] | None = None) -> None:
     work = offline_workload(a.requests, 0, cfg.vocab_size)
     res = run_offline(llm, work)
     ceil = decode_ceiling(cfg, mach, max(1, round(res["mean_batch"])), 200 + 64)
+    own = decode_ceiling(cfg, mach, max(1, round(res["mean_batch"])), 200 + 64, weight_bytes=wbytes)
     lines.append(f"\nOffline workload ({a.requests} requests, seed 0, prompts lognormal median 200 "
                  f"[32, 1024], outputs 80% U[32,64] / 20% U[256,512], ignore_eos, all at t=0): "
                  f"{res['tokens']} output tokens in {res['seconds']:.1f} s = **{res['tok_s']:.0f} tok/s**, "
                  f"mean running batch {res['mean_batch']:.1f}; decode ceiling at that batch ~{ceil:.0f} tok/s "
-                 f"({100 * res['tok_s'] / ceil:.0f}%).")
+                 f"({100 * res['tok_s'] / ceil:.0f}%)"
+                 + (f"; with the weights as stored ~{own:.0f} tok/s ({100 * res['tok_s'] / own:.0f}%)" if qm else "")
+                 + ".")
     if not a.skip_hf:
         first = work[:16]
         ours = run_offline(llm, first)

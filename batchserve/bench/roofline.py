@@ -90,17 +90,28 @@ def measure_machine(cfg: LlamaConfig, rows: tuple[int, ...] = (1, 8, 32, 64, 128
 
 
 def decode_ceiling(cfg: LlamaConfig, mach: Machine, batch: int, ctx: int, elem: int = 4,
-                   w_elem: int | None = None) -> float:
+                   w_elem: int | None = None, weight_bytes: int | None = None) -> float:
     """Ceiling tokens/s for one decode step of `batch` sequences with `ctx` tokens of context.
     `elem`: bytes per KV element (and per weight); `w_elem`: bytes per decoder-layer weight when
-    it differs (2 with bf16 matrix products; the LM head stays at `elem`)."""
+    it differs (2 with bf16 matrix products; the LM head stays at `elem`); `weight_bytes`: all the
+    weights a step reads, when the model stores them otherwise (GGUF blocks: stored_weight_bytes)."""
     head = cfg.vocab_size * cfg.hidden_size  # LM head runs for every decode
     lin = linear_params(cfg) + head
     flops = 2 * batch * lin + 4 * batch * ctx * cfg.num_layers * cfg.num_heads * cfg.head_dim
     kv_bytes = batch * ctx * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
-    w_bytes = linear_params(cfg) * (w_elem or elem) + head * 4
+    w_bytes = weight_bytes if weight_bytes is not None else linear_params(cfg) * (w_elem or elem) + head * 4
     t = max(flops / (mach.peak_gflops * 1e9), (w_bytes + kv_bytes) / (mach.bandwidth_gbs * 1e9))
     return batch / t
+
+
+def stored_weight_bytes(model) -> int:
+    """Bytes of the matrices a decode step reads, as the model stores them (every layer's four
+    and the LM head; GGUF blocks count at their packed size, scales included)."""
+    def size(lin: Linear) -> int:
+        return lin.w.nbytes if lin.fmt is not None else lin.n * lin.k * torch.empty(0, dtype=lin.w.dtype).element_size()
+
+    return sum(size(layer[k]) for layer in model.layers for k in ("wqkv", "wo", "w_gate_up", "w_down")) + size(
+        model.lm_head)
 
 
 def prefill_ceiling(cfg: LlamaConfig, mach: Machine, prompt_len: int) -> float:

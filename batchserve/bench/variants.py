@@ -1,5 +1,6 @@
 """Hot-path variants side by side, in one process: the elementwise work per layer in PyTorch
-ops vs the C++ fused ops, the C++ panel GEMM vs oneDNN for the float32 products, float32 vs bfloat16 matrix products (`--matmul-dtype bfloat16`) and
+ops vs the C++ fused ops, the GGUF file's blocks vs weights dequantized at load (`--quantized-weights off`),
+the C++ panel GEMM vs oneDNN for the float32 products, float32 vs bfloat16 matrix products (`--matmul-dtype bfloat16`) and
 KV cache (`--kv-cache-dtype bfloat16`), with each bf16 variant's output quality against float32.
 
     python -m batchserve.bench.variants --out BENCHMARKS.md      # about 5 minutes, quiet machine
@@ -21,7 +22,7 @@ import time
 import torch
 
 from batchserve.bench.foundation import decode_batch, offline_workload, publish, run_offline
-from batchserve.bench.roofline import decode_ceiling, measure_machine
+from batchserve.bench.roofline import decode_ceiling, measure_machine, stored_weight_bytes
 from batchserve.config import CacheConfig, ModelConfig
 from batchserve.core.kv_cache import KVCacheManager
 from batchserve.engine.engine import tokenize
@@ -98,12 +99,11 @@ def quality(llm32, llm16, max_tokens: int = 64) -> dict:
 
 VARIANTS = {  # name -> LLM options (the fp32 default first: everything is compared with it)
     "fp32, fused ops (default)": {},
+    "fp32, weights dequantized at load": {"quantized_weights": "off"},
     "fp32, fused ops, oneDNN matmul": {"linear_backend": "onednn"},
     "fp32 + bf16 KV cache": {"kv_cache_dtype": "bfloat16"},
     "bf16 matmul": {"matmul_dtype": "bfloat16"},
     "bf16 matmul + bf16 KV cache": {"matmul_dtype": "bfloat16", "kv_cache_dtype": "bfloat16"},
-    "bf16 matmul + bf16 KV cache, oneDNN matmul": {"matmul_dtype": "bfloat16", "kv_cache_dtype": "bfloat16",
-                                                   "linear_backend": "onednn"},
 }
 UNFUSED = "fp32, PyTorch elementwise ops"
 
@@ -150,7 +150,9 @@ def main(argv: list[str] | None = None) -> int:
         kv = 2 if kw.get("kv_cache_dtype") == "bfloat16" else 4
         if kw.get("matmul_dtype") == "bfloat16":
             return decode_ceiling(cfg, mach16, b, c, elem=kv, w_elem=2)
-        return decode_ceiling(cfg, mach, b, c, elem=kv, w_elem=4)
+        model = runners[k].model
+        stored = stored_weight_bytes(model) if model.quantized_matrices else None
+        return decode_ceiling(cfg, mach, b, c, elem=kv, w_elem=4, weight_bytes=stored)
 
     cases = [tuple(int(x) for x in c.split("x")) for c in a.cases.split(",")]
     res = {c: time_steps(runners, *c) for c in cases}
@@ -172,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
              f"{torch.get_num_threads()} threads; fp32 matmul peak at the model's shapes "
              f"{mach.peak_gflops:.0f} GFLOP/s (bf16 {mach16.peak_gflops:.0f}), memory {mach.bandwidth_gbs:.1f} GB/s.",
              "", "Decode step time, tokens/s, and share of the fp32 ceiling / of the ceiling for the variant's own "
-             "dtypes (bf16 matmul rate, bf16 weight and KV bytes); medians of 7, variants alternating:", "",
+             "dtypes (bf16 matmul rate, weight bytes as stored, KV bytes); medians of 7, variants alternating:", "",
              *rows]
     if a.requests:
         work = offline_workload(a.requests, 0, cfg.vocab_size)

@@ -8,7 +8,7 @@ import importlib.util
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -28,12 +28,19 @@ class ModelLoadError(RuntimeError):
     """The model could not be found or read; the message says what to do."""
 
 
+# GGUF block formats the C++ GEMM multiplies from directly: name -> its `fmt` code in gemm.cpp
+GGUF_BLOCK_FORMATS = {"Q4_1": 0, "Q8_0": 1}
+
+
 @dataclass
 class LoadedModel:
     config: LlamaConfig
     weights: dict[str, torch.Tensor]
     tokenizer: Any | None
     name: str
+    # A GGUF file's block-quantized matrices as stored (HF name -> (format code, uint8 [rows, bytes]),
+    # rows in HF order); `weights` holds the same matrices dequantized.
+    quantized: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
 
 
 def resolve_model_path(model: str) -> str:
@@ -130,8 +137,11 @@ def _load_gguf(path: str) -> LoadedModel:
     reader = GGUFReader(path)
     cfg = _gguf_config(reader)
     weights: dict[str, torch.Tensor] = {}
+    quantized: dict[str, tuple[int, torch.Tensor]] = {}
     for t in reader.tensors:
         w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        fmt = GGUF_BLOCK_FORMATS.get(t.tensor_type.name)
+        raw = np.asarray(t.data) if fmt is not None else None  # [rows, blocks * bytes]
         name = t.name
         if name == "token_embd.weight":
             key = "model.embed_tokens.weight"
@@ -143,18 +153,20 @@ def _load_gguf(path: str) -> LoadedModel:
             _, idx, kind, _ = name.split(".", 3)
             if kind not in _GGUF_NAMES:
                 continue  # e.g. rope_freqs: recomputed from the config
-            if kind == "attn_q":
-                w = _unpermute(w, cfg.num_heads)
-            elif kind == "attn_k":
-                w = _unpermute(w, cfg.num_kv_heads)
+            if kind in ("attn_q", "attn_k"):  # a permutation of whole rows: the blocks move with them
+                heads = cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads
+                w = _unpermute(w, heads)
+                raw = _unpermute(raw, heads) if raw is not None else None
             key = f"model.layers.{idx}.{_GGUF_NAMES[kind]}.weight"
         else:
             continue
         weights[key] = torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
+        if raw is not None and raw.ndim == 2 and raw.shape[0] == w.shape[0]:
+            quantized[key] = (fmt, torch.from_numpy(np.array(raw, dtype=np.uint8, order="C")))
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
-    return LoadedModel(cfg, weights, tok, os.path.basename(path))
+    return LoadedModel(cfg, weights, tok, os.path.basename(path), quantized)
 
 
 # --- Hugging Face directory ----------------------------------------------------------------

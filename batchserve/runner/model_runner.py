@@ -39,7 +39,11 @@ class ModelRunner:
         if model_cfg.attention_backend == "cpp" and (self.kernel is None or fused is None):
             raise RuntimeError("attention_backend=cpp: the C++ kernels did not build (see the log)")
         mm = None if model_cfg.matmul_dtype in ("auto", model_cfg.dtype) else getattr(torch, model_cfg.matmul_dtype)
-        self.model = LlamaModel(loaded.config, loaded.weights, model_cfg.linear_backend, mm, fused)
+        blocks = loaded.quantized if model_cfg.quantized_weights == "auto" else None
+        self.model = LlamaModel(loaded.config, loaded.weights, model_cfg.linear_backend, mm, fused, blocks)
+        if self.model.quantized_matrices:
+            log.info("weights: %d matrices multiplied from their GGUF blocks (C++ GEMM)",
+                     self.model.quantized_matrices)
         self.dtype = self.model.embed.dtype
         self.block_size = cache_cfg.block_size
         per_block = kv_bytes_per_block(self.cfg, self.block_size, self.kv_dtype)

@@ -19,6 +19,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -235,7 +236,270 @@ void for_row_blocks(int64_t m_lo, int64_t rows, int64_t mr_max, Fn fn) {
   }
 }
 
+
+// ---- GGUF block-quantized weights (Q4_1, Q8_0), multiplied without a float32 copy --------------
+// The file's blocks are regrouped into the panel layout: for each panel and each block of 32 k,
+// first the 32 columns' scales (and Q4_1's minimums) as float32, then per k the 32 columns'
+// quants. Q4_1: 16 bytes per k, byte j = column j (low nibble) | column j+16 (high nibble).
+// Q8_0: 32 int8 per k. A weight is d*q + m (Q4_1) or d*q (Q8_0); with fp16 d and a 4- or 8-bit
+// q the product is exact in float32, so the value each FMA sees is bit for bit the float32 that
+// gguf's dequantize gives, and the products equal the float32 panel GEMM's exactly.
+enum QFmt : int64_t { kQ4_1 = 0, kQ8_0 = 1 };
+constexpr int QB = 32;  // k per block
+constexpr int64_t Q4_BYTES = 2 * NB * 4 + QB * 16;  // 768 per panel block
+constexpr int64_t Q8_BYTES = NB * 4 + QB * NB;      // 1152
+constexpr int MRQ = 12;   // rows per fused tile: 24 sums + scales, minimums, weights, broadcast
+constexpr int64_t FUSED_ROWS = 36;  // up to this many rows fused tiles (measured faster to 32), then the scratch
+constexpr int64_t PFQ = 4;  // prefetch this many panel blocks ahead
+
+inline int64_t q_block_bytes(QFmt f) { return f == kQ4_1 ? Q4_BYTES : Q8_BYTES; }
+
+// The fused tile: each k's 32 weights are expanded from the quants in registers, then multiplied
+// into MR rows, so the weights cross the memory bus at 0.75 (Q4_1) or 1.125 (Q8_0) bytes each.
+template <int MR, int F>
+__attribute__((target("avx512f"))) void tile_q512(const float* __restrict a, int64_t lda,
+                                                   const uint8_t* __restrict wq, int64_t KB,
+                                                   float* __restrict c, int64_t ldc, int ncols) {
+  constexpr int64_t BYTES = F == kQ4_1 ? Q4_BYTES : Q8_BYTES;
+  __m512 c0[MR], c1[MR];
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) {
+    c0[r] = _mm512_setzero_ps();
+    c1[r] = _mm512_setzero_ps();
+  }
+  const __m512i low4 = _mm512_set1_epi32(0xF);
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    const uint8_t* blk = wq + kb * BYTES;
+    const float* sc = reinterpret_cast<const float*>(blk);
+    const __m512 d0 = _mm512_loadu_ps(sc), d1 = _mm512_loadu_ps(sc + 16);
+    __m512 m0 = _mm512_setzero_ps(), m1 = _mm512_setzero_ps();
+    if (F == kQ4_1) {
+      m0 = _mm512_loadu_ps(sc + 32);
+      m1 = _mm512_loadu_ps(sc + 48);
+    }
+    const uint8_t* q = blk + (F == kQ4_1 ? 2 : 1) * NB * 4;
+    const char* ahead = reinterpret_cast<const char*>(blk + PFQ * BYTES);
+    const float* ak = a + kb * QB;
+#pragma GCC unroll 2
+    for (int k = 0; k < QB; ++k) {
+      if (k * 64 < BYTES / 2) {  // the block PFQ ahead, two lines per k until it is covered
+        _mm_prefetch(ahead + k * 128, _MM_HINT_T0);
+        _mm_prefetch(ahead + k * 128 + 64, _MM_HINT_T0);
+      }
+      __m512 w0, w1;
+      if (F == kQ4_1) {
+        const __m512i qi = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * 16)));
+        w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(qi, low4)), d0, m0);
+        w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(qi, 4)), d1, m1);
+      } else {
+        const __m128i* qk = reinterpret_cast<const __m128i*>(q + k * NB);
+        w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qk))), d0);
+        w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qk + 1))), d1);
+      }
+#pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r) {
+        const __m512 av = _mm512_set1_ps(ak[r * lda + k]);
+        c0[r] = _mm512_fmadd_ps(av, w0, c0[r]);
+        c1[r] = _mm512_fmadd_ps(av, w1, c1[r]);
+      }
+    }
+  }
+  __mmask16 mk0, mk1;
+  tail_masks(ncols, mk0, mk1);
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) {
+    _mm512_mask_storeu_ps(c + r * ldc, mk0, c0[r]);
+    _mm512_mask_storeu_ps(c + r * ldc + 16, mk1, c1[r]);
+  }
+}
+
+template <int MR> void tile_q4_512(const float* a, int64_t lda, const uint8_t* w, int64_t KB, float* c, int64_t ldc,
+                                   int nc) { tile_q512<MR, kQ4_1>(a, lda, w, KB, c, ldc, nc); }
+template <int MR> void tile_q8_512(const float* a, int64_t lda, const uint8_t* w, int64_t KB, float* c, int64_t ldc,
+                                   int nc) { tile_q512<MR, kQ8_0>(a, lda, w, KB, c, ldc, nc); }
+using TileQFn = void (*)(const float*, int64_t, const uint8_t*, int64_t, float*, int64_t, int);
+static_assert(MRQ <= 14, "the tile tables stop at 14 rows");
+BATCHSERVE_TILES(TileQFn, tile_q4_512);
+BATCHSERVE_TILES(TileQFn, tile_q8_512);
+
+// One panel's weights as float32 [K][32] (for more rows than one fused tile, and for the AVX2
+// and portable paths, which then run their float32 tiles on it from cache).
+void dequant_panel(QFmt f, const uint8_t* wq, int64_t KB, float* out) {
+  const int64_t bytes = q_block_bytes(f);
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    const uint8_t* blk = wq + kb * bytes;
+    float d[NB], m[NB] = {};
+    std::memcpy(d, blk, sizeof(d));
+    if (f == kQ4_1) std::memcpy(m, blk + sizeof(d), sizeof(m));
+    const uint8_t* q = blk + (f == kQ4_1 ? 2 : 1) * NB * 4;
+    float* o = out + kb * QB * NB;
+    for (int k = 0; k < QB; ++k)
+      for (int j = 0; j < NB; ++j) {
+        if (f == kQ4_1) {
+          const int v = j < 16 ? q[k * 16 + j] & 0xF : q[k * 16 + j - 16] >> 4;
+          o[k * NB + j] = std::fma(static_cast<float>(v), d[j], m[j]);
+        } else {
+          o[k * NB + j] = static_cast<float>(static_cast<int8_t>(q[k * NB + j])) * d[j];
+        }
+      }
+  }
+}
+
+// The same expansion with AVX-512, the quants turned into 32 float32 per k as in tile_q512.
+template <int F>
+__attribute__((target("avx512f"))) void dequant_panel512(const uint8_t* __restrict wq, int64_t KB,
+                                                          float* __restrict out) {
+  constexpr int64_t BYTES = F == kQ4_1 ? Q4_BYTES : Q8_BYTES;
+  const __m512i low4 = _mm512_set1_epi32(0xF);
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    const uint8_t* blk = wq + kb * BYTES;
+    const float* sc = reinterpret_cast<const float*>(blk);
+    const __m512 d0 = _mm512_loadu_ps(sc), d1 = _mm512_loadu_ps(sc + 16);
+    const uint8_t* q = blk + (F == kQ4_1 ? 2 : 1) * NB * 4;
+    const char* ahead = reinterpret_cast<const char*>(blk + PFQ * BYTES);
+    for (int64_t i = 0; i < BYTES; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
+    float* o = out + kb * QB * NB;
+    if (F == kQ4_1) {
+      const __m512 m0 = _mm512_loadu_ps(sc + 32), m1 = _mm512_loadu_ps(sc + 48);
+#pragma GCC unroll 4
+      for (int k = 0; k < QB; ++k) {
+        const __m512i qi = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * 16)));
+        _mm512_storeu_ps(o + k * NB, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(qi, low4)), d0, m0));
+        _mm512_storeu_ps(o + k * NB + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(qi, 4)), d1, m1));
+      }
+    } else {
+#pragma GCC unroll 4
+      for (int k = 0; k < QB; ++k) {
+        const __m128i* qk = reinterpret_cast<const __m128i*>(q + k * NB);
+        _mm512_storeu_ps(o + k * NB, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qk))), d0));
+        _mm512_storeu_ps(o + k * NB + 16,
+                         _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qk + 1))), d1));
+      }
+    }
+  }
+}
+
+inline float half_bits_to_float(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+void check_q(const torch::Tensor& wq, int64_t n, QFmt f, const char* what) {
+  TORCH_CHECK(f == kQ4_1 || f == kQ8_0, what, ": format must be 0 (Q4_1) or 1 (Q8_0), got ", static_cast<int64_t>(f));
+  TORCH_CHECK(wq.device().is_cpu() && wq.scalar_type() == torch::kUInt8 && wq.dim() == 3 &&
+                  wq.size(2) == q_block_bytes(f) && wq.is_contiguous(),
+              what, ": packed weight must be a contiguous uint8 CPU tensor [panels, K/32, ", q_block_bytes(f), "]");
+  check_n(wq, n, what);
+}
+
 }  // namespace
+
+// GGUF blocks -> panels. raw: uint8 [N, K/32 * 20] (Q4_1: fp16 d, fp16 m, 16 bytes of nibbles,
+// element e of a block in byte e % 16, low nibble for e < 16) or [N, K/32 * 34] (Q8_0: fp16 d,
+// 32 int8), one row of W per row, as the file stores it.
+torch::Tensor pack_q(torch::Tensor raw, int64_t fmt) {
+  const QFmt f = static_cast<QFmt>(fmt);
+  TORCH_CHECK(f == kQ4_1 || f == kQ8_0, "pack_q: format must be 0 (Q4_1) or 1 (Q8_0), got ", fmt);
+  const int64_t src_bytes = f == kQ4_1 ? 20 : 34;
+  TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == torch::kUInt8 && raw.dim() == 2 &&
+                  raw.size(1) % src_bytes == 0 && raw.size(1) > 0,
+              "pack_q: raw blocks must be a uint8 CPU matrix [N, K/32 * ", src_bytes, "]");
+  raw = raw.contiguous();
+  const int64_t N = raw.size(0), KB = raw.size(1) / src_bytes, NP = (N + NB - 1) / NB, bytes = q_block_bytes(f);
+  auto out = torch::zeros({NP, KB, bytes}, raw.options());
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, NP, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t p = lo; p < hi; ++p)
+      for (int64_t kb = 0; kb < KB; ++kb) {
+        uint8_t* blk = dst + (p * KB + kb) * bytes;
+        float* d = reinterpret_cast<float*>(blk);
+        uint8_t* q = blk + (f == kQ4_1 ? 2 : 1) * NB * 4;
+        for (int j = 0; j < NB && p * NB + j < N; ++j) {
+          const uint8_t* s = src + (p * NB + j) * KB * src_bytes + kb * src_bytes;
+          d[j] = half_bits_to_float(s);
+          if (f == kQ4_1) {
+            d[NB + j] = half_bits_to_float(s + 2);
+            for (int e = 0; e < QB; ++e) {
+              const int v = e < 16 ? s[4 + e] & 0xF : s[4 + e - 16] >> 4;
+              q[e * 16 + j % 16] |= static_cast<uint8_t>(v << (j < 16 ? 0 : 4));
+            }
+          } else {
+            for (int e = 0; e < QB; ++e) q[e * NB + j] = s[2 + e];
+          }
+        }
+      }
+  });
+  return out;
+}
+
+// The dense float32 W [n, K] the panels hold (tests, and anything that wants the matrix back).
+torch::Tensor unpack_q(torch::Tensor wq, int64_t n, int64_t fmt) {
+  const QFmt f = static_cast<QFmt>(fmt);
+  check_q(wq, n, f, "unpack_q");
+  const int64_t NP = wq.size(0), KB = wq.size(1), K = KB * QB;
+  auto out = torch::empty({n, K}, torch::kFloat32);
+  std::vector<float> buf(K * NB);
+  float* o = out.data_ptr<float>();
+  for (int64_t p = 0; p < NP; ++p) {
+    dequant_panel(f, wq.data_ptr<uint8_t>() + p * KB * wq.size(2), KB, buf.data());
+    for (int64_t j = 0; j < NB && p * NB + j < n; ++j)
+      for (int64_t k = 0; k < K; ++k) o[(p * NB + j) * K + k] = buf[k * NB + j];
+  }
+  return out;
+}
+
+// x [M, K] float32 (contiguous) times the block-quantized W^T -> float32 [M, n]. Up to MRQ rows
+// the AVX-512 tile expands the quants in registers; with more rows each panel is expanded once
+// into a float32 scratch that the float32 tiles then read from cache for every row block.
+// `isa_override` as for gemm.
+torch::Tensor gemm_q(torch::Tensor x, torch::Tensor wq, int64_t n, int64_t fmt, int64_t isa_override,
+                     int64_t fused_rows) {
+  const QFmt f = static_cast<QFmt>(fmt);
+  check_q(wq, n, f, "gemm_q");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
+              "gemm_q: x must be a contiguous float32 CPU matrix [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), NP = wq.size(0), KB = wq.size(1), bytes = wq.size(2);
+  TORCH_CHECK(KB * QB == K, "gemm_q: x has K=", K, " but the packed weight has K=", KB * QB);
+  static const Isa native = best_isa();
+  const Isa use = isa_override < 0 ? native : static_cast<Isa>(isa_override);
+  TORCH_CHECK(use >= kPortable && use <= native, "gemm_q: code path ", isa_override, " is not supported by this CPU");
+  const TileFn* table = use == kAvx512 ? tile512_table : use == kAvx2 ? tile256_table : tile_portable_table;
+  const int64_t mr_max = use == kAvx512 ? MR512 : use == kAvx2 ? MR256 : MRP;
+  const TileQFn* qtable = f == kQ4_1 ? tile_q4_512_table : tile_q8_512_table;
+
+  auto y = torch::empty({M, n}, x.options());
+  if (M == 0 || n == 0) return y;
+  const float* a = x.data_ptr<float>();
+  const uint8_t* w = wq.data_ptr<uint8_t>();
+  float* c = y.data_ptr<float>();
+  for (int64_t m_lo = 0; m_lo < M; m_lo += MCHUNK) {
+    const int64_t rows = std::min(MCHUNK, M - m_lo);
+    const bool fused = use == kAvx512 && rows <= (fused_rows < 0 ? FUSED_ROWS : fused_rows);
+    at::parallel_for(0, NP, 1, [&](int64_t lo, int64_t hi) {
+      std::vector<float> scratch(fused ? 0 : K * NB);
+      for (int64_t p = lo; p < hi; ++p) {
+        const int ncols = static_cast<int>(std::min<int64_t>(NB, n - p * NB));
+        const uint8_t* wp = w + p * KB * bytes;
+        if (fused) {
+          for_row_blocks(m_lo, rows, MRQ, [&](int64_t m0, int64_t mr) {
+            qtable[mr](a + m0 * K, K, wp, KB, c + m0 * n + p * NB, n, ncols);
+          });
+          continue;
+        }
+        if (use == kAvx512)
+          (f == kQ4_1 ? dequant_panel512<kQ4_1> : dequant_panel512<kQ8_0>)(wp, KB, scratch.data());
+        else
+          dequant_panel(f, wp, KB, scratch.data());
+        for_row_blocks(m_lo, rows, mr_max, [&](int64_t m0, int64_t mr) {
+          table[mr](a + m0 * K, K, scratch.data(), K, c + m0 * n + p * NB, n, ncols);
+        });
+      }
+    });
+  }
+  return y;
+}
 
 // Whether this CPU has the bf16 path (AVX512-BF16's vdpbf16ps).
 bool has_bf16() { return cpu_has_bf16(); }
@@ -373,4 +637,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_bf16", &gemm_bf16, "x [M, K] (fp32 or bf16) @ W^T from the bf16 panels -> fp32 [M, n]", nogil);
   m.def("gemm", &gemm, "x [M, K] @ W^T from the packed panels -> [M, n]", nogil, py::arg("x"), py::arg("wp"), py::arg("n"),
         py::arg("isa_override") = -1);
+  m.def("pack_q", &pack_q, "GGUF Q4_1 (fmt 0) / Q8_0 (fmt 1) blocks [N, K/32 * bytes] -> panels", nogil);
+  m.def("unpack_q", &unpack_q, "block-quantized panels -> float32 [n, K]", nogil);
+  m.def("gemm_q", &gemm_q, "x [M, K] @ W^T from block-quantized panels -> [M, n]", nogil, py::arg("x"), py::arg("wq"),
+        py::arg("n"), py::arg("fmt"), py::arg("isa_override") = -1, py::arg("fused_rows") = -1);
 }

@@ -158,15 +158,33 @@ def best_linear_backend(weight: torch.Tensor) -> str:
 class Linear:
     """y = x W^T on one of three backends, the weight stored once in that backend's layout:
     `cpp`: the C++ panel GEMM on weights packed into 32-column panels (bf16 weights: bf16 panels,
-    fp32 sums and a float32 result); `onednn`: oneDNN on its blocked layout; `torch`: F.linear on
-    the dense weight."""
+    fp32 sums and a float32 result; GGUF blocks through `from_blocks`: Q4_1 / Q8_0 panels);
+    `onednn`: oneDNN on its blocked layout; `torch`: F.linear on the dense weight."""
 
-    __slots__ = ("w", "backend", "n", "k", "_gemm")
+    __slots__ = ("w", "backend", "n", "k", "_gemm", "fmt")
+
+    @classmethod
+    def from_blocks(cls, raw: torch.Tensor, fmt: int) -> "Linear":
+        """From a GGUF file's blocks as stored (uint8 [N, K/32 * bytes]; `fmt` 0 = Q4_1, 1 = Q8_0):
+        the C++ GEMM expands them in registers, float32 math, products equal to the dequantized
+        weights' bit for bit."""
+        from batchserve.runner.kernels import gemm_ext
+
+        ext = gemm_ext()
+        if ext is None:
+            raise RuntimeError("quantized weights: the C++ panel GEMM did not build here")
+        lin = cls.__new__(cls)
+        lin.backend, lin.fmt, lin.n = "cpp", fmt, raw.shape[0]
+        lin.w = ext.pack_q(raw, fmt)
+        lin.k = lin.w.shape[1] * 32
+        lin._gemm = lambda x, w, n: ext.gemm_q(x, w, n, fmt)
+        return lin
 
     def __init__(self, weight: torch.Tensor, backend: str = "torch") -> None:
         if backend not in ("torch", "onednn", "cpp"):
             raise ValueError(f"unknown linear backend {backend!r}")
         self.backend = backend
+        self.fmt = None  # GGUF block format (from_blocks)
         self.n, self.k = weight.shape
         self._gemm = None  # the C++ product for this weight's dtype (cpp backend)
         if backend == "cpp":
@@ -195,6 +213,10 @@ class Linear:
     @property
     def weight(self) -> torch.Tensor:
         """The dense [out, in] weight (unpacked on demand)."""
+        if self.fmt is not None:
+            from batchserve.runner.kernels import gemm_ext
+
+            return gemm_ext().unpack_q(self.w, self.n, self.fmt)
         if self.backend == "cpp" and self.w.dtype == torch.bfloat16:  # [panels, K/2, 32 x 2]
             p, k2 = self.w.shape[:2]
             return self.w.view(p, k2, 32, 2).permute(0, 2, 1, 3).reshape(p * 32, 2 * k2)[: self.n, : self.k]
@@ -210,14 +232,19 @@ def _mm(lin: "Linear", x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tens
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor], linear_backend: str = "auto",
-                 matmul_dtype: torch.dtype | None = None, fused: Any = None) -> None:
+                 matmul_dtype: torch.dtype | None = None, fused: Any = None,
+                 quantized: dict[str, tuple[int, torch.Tensor]] | None = None) -> None:
         """`weights` uses Hugging Face names (model.layers.N.self_attn.q_proj.weight, ...).
         `linear_backend`: auto (best_linear_backend: the C++ panel GEMM on AVX-512, else oneDNN on
         packed weights where it runs, else torch), cpp, onednn, torch.
         `matmul_dtype`: the decoder layers' matrices in this dtype (bfloat16 with float32 weights:
         bf16 matrix products, everything else float32; the LM head stays in the weights' dtype).
         `fused`: the compiled fused-ops module (runner/kernels.py) for the per-layer elementwise
-        work, or None for the PyTorch path; used only with float32 weights on the CPU."""
+        work, or None for the PyTorch path; used only with float32 weights on the CPU.
+        `quantized`: GGUF blocks of some of `weights` (LoadedModel.quantized). With the C++ GEMM,
+        float32 weights and products, every matrix whose parts all have blocks of one format is
+        multiplied from them (`self.quantized_matrices` counts them); the results are those of the
+        dense weights."""
         super().__init__()
         self.cfg = cfg
         w = weights
@@ -237,8 +264,22 @@ class LlamaModel(nn.Module):
         self.linear_backend = best_linear_backend(self.embed) if linear_backend == "auto" else linear_backend
         fits = self.embed.dtype == torch.float32 and self.embed.device.type == "cpu"
         self.fused = fused if fits else None
-        head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
-        self.lm_head = Linear(head, self.linear_backend)
+        blocks = quantized if (quantized and self.linear_backend == "cpp" and mm == torch.float32
+                               and self.embed.dtype == torch.float32 and self.embed.device.type == "cpu") else {}
+        self.quantized_matrices = 0
+
+        def lin(*names: str) -> Linear:
+            """The named matrices stacked by rows: from their GGUF blocks when all have them in one
+            format, else dense in the matmul dtype."""
+            fmts = {blocks[k][0] for k in names if k in blocks}
+            if len(fmts) == 1 and all(k in blocks for k in names):
+                self.quantized_matrices += 1
+                return Linear.from_blocks(torch.cat([blocks[k][1] for k in names]), fmts.pop())
+            t = w[names[0]] if len(names) == 1 else torch.cat([w[k] for k in names])
+            return Linear(t.to(mm), layer_backend)
+
+        head_name = ("model.embed_tokens.weight" if cfg.tie_word_embeddings or "lm_head.weight" not in w
+                     else "lm_head.weight")
         # bf16 products (matmul_dtype): the C++ GEMM's bf16 path where the CPU has it, else oneDNN's
         # packed bf16 layout (unless F.linear was asked for).
         layer_backend = self.linear_backend
@@ -247,21 +288,18 @@ class LlamaModel(nn.Module):
                 layer_backend = "cpp"
             else:
                 layer_backend = "onednn" if onednn_linear_ok(self.embed) else "torch"
-
-        def lin(t: torch.Tensor) -> Linear:
-            return Linear(t.to(mm), layer_backend)
-
+        self.lm_head = lin(head_name) if head_name in blocks else Linear(w[head_name], self.linear_backend)
         self.layers: list[dict[str, torch.Tensor | Linear]] = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
             self.layers.append({
                 "attn_norm": w[p + "input_layernorm.weight"],
-                "wqkv": lin(torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]])),
-                "wo": lin(w[a + "o_proj.weight"]),
+                "wqkv": lin(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
+                "wo": lin(a + "o_proj.weight"),
                 "mlp_norm": w[p + "post_attention_layernorm.weight"],
-                "w_gate_up": lin(torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])),
-                "w_down": lin(w[p + "mlp.down_proj.weight"]),
+                "w_gate_up": lin(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                "w_down": lin(p + "mlp.down_proj.weight"),
             })
         self.inv_freq = rope_inv_freq(cfg).to(self.embed.device)
 
