@@ -169,6 +169,14 @@ def main(argv: list[str] | None = None) -> None:
                  f"({100 * res['tok_s'] / ceil:.0f}%)"
                  + (f"; with the weights as stored ~{own:.0f} tok/s ({100 * res['tok_s'] / own:.0f}%)" if qm else "")
                  + ".")
+    # The run's floor: its prompt tokens cannot go faster than the prefill ceiling, nor its output
+    # tokens than the decode ceiling at the batch it runs at; a decode-only ceiling ignores the former.
+    ptoks = sum(len(p) for p, _ in work)
+    floor_s = ptoks / prefill_ceiling(cfg, mach, round(ptoks / len(work))) + res["tokens"] / own
+    lines.append(f"\nThat run's own floor: its {ptoks} prompt tokens at the prefill ceiling plus its output tokens at "
+                 f"the decode ceiling at its batch = {floor_s:.1f} s, at most {res['tokens'] / floor_s:.0f} output tok/s "
+                 f"({100 * res['tokens'] / floor_s / ceil:.0f}% of the decode-only ceiling above); the run takes "
+                 f"{res['seconds']:.1f} s, **{100 * floor_s / res['seconds']:.0f}% of the floor's speed**.")
     if not a.skip_hf:
         first = work[:16]
         ours = run_offline(llm, first)

@@ -9,6 +9,8 @@ variants interleaved in one process:
 - fp32 `F.linear(x, W)` with W [out, in] (MKL) — the model's path before the oneDNN one;
 - fp32 C++ panel GEMM on weights packed once into 32-column panels (`runner/csrc/gemm.cpp`) —
   the default where the CPU has AVX-512;
+- GGUF Q4_1 / Q8_0 blocks multiplied by the same C++ GEMM, expanded to fp32 in registers
+  (`--quantized-weights auto`, the default for such files: 0.75 / 1.125 bytes a weight);
 - fp32 oneDNN linear on weights packed once (`runner/models/llama.Linear`) — the default before
   the panel GEMM, and where it has no AVX-512 path;
 - fp32 `x @ Wt` with W stored transposed [in, out];
@@ -52,6 +54,17 @@ def variants(cfg: LlamaConfig, m: int) -> dict[str, object]:
         od = [[Linear(w, "onednn") for w in layer] for layer in w32]
         out["fp32 oneDNN on packed weights"] = lambda: [
             lin(x) for layer in od for x, lin in zip(xs, layer)]
+    if cpp_linear_ok(torch.zeros(1)):
+        try:
+            import gguf
+        except ImportError:
+            gguf = None
+        for kind, fmt in (("Q4_1", 0), ("Q8_0", 1)) if gguf else ():
+            qt = gguf.GGMLQuantizationType[kind]
+            ql = [[Linear.from_blocks(torch.from_numpy(gguf.quantize(w.numpy(), qt)), fmt) for w in layer]
+                  for layer in w32]
+            name = f"GGUF {kind} blocks, C++ GEMM, fp32 math" + (" (model default for Q4_1 files)" if fmt == 0 else "")
+            out[name] = lambda ql=ql: [lin(x) for layer in ql for x, lin in zip(xs, layer)]
     wt = [[w.t().contiguous() for w in layer] for layer in w32]
     out["fp32 x @ W^T stored transposed"] = lambda: [x @ w for layer in wt for x, w in zip(xs, layer)]
     try:
