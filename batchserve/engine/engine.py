@@ -67,7 +67,7 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig, clock: Any | None = None) -> "LLMEngine":
         """Load the model named by config.model and build the engine around a real runner."""
-        from batchserve.runner.loader import load_model
+        from batchserve.runner.loader import load_model, release_freed_memory
         from batchserve.runner.model_runner import ModelRunner
 
         if config.scheduler.cascade_workers:  # prefill and decode stages in two processes
@@ -80,7 +80,10 @@ class LLMEngine:
         log.info("model %s loaded: %d layers, %.1fM params; KV pool holds %d tokens",
                  loaded.name, loaded.config.num_layers, loaded.config.num_params() / 1e6,
                  runner.num_blocks * config.cache.block_size)
-        return cls(config, runner, loaded.tokenizer, loaded.config.eos_token_id, clock)
+        cfg, tok = loaded.config, loaded.tokenizer
+        del loaded  # the float32 copies the runner did not keep (all of them with GGUF blocks)
+        release_freed_memory()
+        return cls(config, runner, tok, cfg.eos_token_id, clock)
 
     # --- intake -------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None) -> list[int]:

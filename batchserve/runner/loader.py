@@ -4,6 +4,7 @@ Every source ends as (LlamaConfig, weights with Hugging Face names, tokenizer or
 """
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import json
 import logging
@@ -76,6 +77,16 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     dtype = _DTYPES[cfg.dtype]
     loaded.weights = {k: v.to(device=cfg.device, dtype=dtype).contiguous() for k, v in loaded.weights.items()}
     return loaded
+
+
+def release_freed_memory() -> None:
+    """Give heap pages freed after loading back to the OS. glibc keeps them otherwise: the float32
+    copies of a GGUF model's matrices that the runner did not keep, ~0.5 GB of resident memory for
+    SmolLM2 (1.33 -> 0.82 GB with 0.25 GB of KV cache). A no-op where there is no glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def load_tokenizer(cfg: ModelConfig) -> Any | None:
