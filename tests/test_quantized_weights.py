@@ -18,26 +18,39 @@ from batchserve.runner.models.llama import Linear
 
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.skipif(gemm_ext() is None, reason="no C++ toolchain")
-FORMATS = {"Q4_1": 0, "Q8_0": 1}
+FORMATS = {"Q4_1": 0, "Q8_0": 1, "Q4_0": 2, "Q4_K": 3}  # pack_q's source codes
+PANEL = {"Q4_1": 0, "Q8_0": 1, "Q4_0": 0, "Q4_K": 0}  # gemm_q's panel layouts
 ISAS = ["portable", "avx2", "avx512"]
 
 
 def _blocks(n: int, k: int, kind: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random weights through gguf's own quantizer: (raw blocks [n, k/32 * bytes], dequantized)."""
-    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.1
+    """(raw blocks [n, row bytes], gguf's own dequantization of them). Q4_1, Q8_0, Q4_0: random
+    weights through gguf's quantizer. Q4_K (gguf has no quantizer for it): random super-blocks of
+    256 — any 6-bit scales and minimums, any nibbles, fp16 d and dmin of weight-like size."""
+    rng = np.random.default_rng(seed)
     qt = gguf.GGMLQuantizationType[kind]
-    raw = gguf.quantize(w, qt)
+    if kind == "Q4_K":
+        nb = k // 256
+        raw = rng.integers(0, 256, (n, nb, 144), dtype=np.uint8)
+        raw[:, :, 0:2] = (rng.standard_normal((n, nb)) * 0.01).astype(np.float16).view(np.uint8).reshape(n, nb, 2)
+        raw[:, :, 2:4] = (abs(rng.standard_normal((n, nb))) * 0.01).astype(np.float16).view(np.uint8).reshape(n, nb, 2)
+        raw = raw.reshape(n, nb * 144)
+    else:
+        raw = gguf.quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.1, qt)
     return torch.from_numpy(raw), torch.from_numpy(gguf.dequantize(raw, qt).astype(np.float32))
 
 
 @pytest.mark.parametrize("kind", FORMATS)
 def test_blocks_unpack_to_ggufs_own_dequantization(kind):
+    """Every supported GGUF type lands in the panels as exactly the floats gguf dequantizes to
+    (Q4_0 and Q4_K regrouped into the Q4_1 panel layout with a per-32 scale and minimum)."""
     ext = gemm_ext()
-    for n, k in ((40, 64), (96, 576), (1, 32)):
+    shapes = ((40, 256), (96, 512), (1, 256)) if kind == "Q4_K" else ((40, 64), (96, 576), (1, 32))
+    for n, k in shapes:
         raw, dense = _blocks(n, k, kind)
         wq = ext.pack_q(raw, FORMATS[kind])
         assert wq.shape[:2] == ((n + 31) // 32, k // 32)
-        assert torch.equal(ext.unpack_q(wq, n, FORMATS[kind]), dense)
+        assert torch.equal(ext.unpack_q(wq, n, PANEL[kind]), dense)
 
 
 @pytest.mark.parametrize("kind", FORMATS)
@@ -51,7 +64,7 @@ def test_block_gemm_equals_the_dense_gemm_bit_for_bit(kind, isa):
     if ISAS.index(isa) > ISAS.index(ext.isa()):
         pytest.skip(f"this CPU has no {isa}")
     g = torch.Generator().manual_seed(1)
-    for n, k in ((70, 96), (960, 576)):
+    for n, k in ((70, 256), (960, 512)) if kind == "Q4_K" else ((70, 96), (960, 576)):
         raw, dense = _blocks(n, k, kind, seed=n)
         wq, wp = ext.pack_q(raw, FORMATS[kind]), ext.pack(dense)
         for m in (1, 5, 12, 13, 32, 37, 600, 0):
@@ -60,7 +73,7 @@ def test_block_gemm_equals_the_dense_gemm_bit_for_bit(kind, isa):
             x = torch.randn(m, k, generator=g)
             want = ext.gemm(x, wp, n, ISAS.index(isa))
             for fused_rows in (-1, 0, 10**6):
-                got = ext.gemm_q(x, wq, n, FORMATS[kind], ISAS.index(isa), fused_rows)
+                got = ext.gemm_q(x, wq, n, PANEL[kind], ISAS.index(isa), fused_rows)
                 assert got.shape == (m, n)
                 assert torch.equal(got, want), (n, k, m, fused_rows)
             torch.testing.assert_close(want, (x.double() @ dense.double().t()).float(), rtol=1e-5,
@@ -79,6 +92,8 @@ def test_block_gemm_rejects_bad_input():
         ext.gemm_q(torch.randn(2, 64), wq, 40, 1)  # Q4_1 panels read as Q8_0: wrong block size
     with pytest.raises(RuntimeError, match="format"):
         ext.pack_q(raw, 7)
+    with pytest.raises(RuntimeError, match="K/256"):
+        ext.pack_q(raw, 3)  # 40 rows of 40 bytes are not whole 144-byte Q4_K super-blocks
     with pytest.raises(RuntimeError, match="raw blocks"):
         ext.pack_q(raw[:, :30], 0)  # not a whole number of 20-byte blocks
     with pytest.raises(ConfigError, match="quantized_weights"):

@@ -9,7 +9,7 @@ variants interleaved in one process:
 - fp32 `F.linear(x, W)` with W [out, in] (MKL) — the model's path before the oneDNN one;
 - fp32 C++ panel GEMM on weights packed once into 32-column panels (`runner/csrc/gemm.cpp`) —
   the default where the CPU has AVX-512;
-- GGUF Q4_1 / Q8_0 blocks multiplied by the same C++ GEMM, expanded to fp32 in registers
+- GGUF Q4_1 / Q8_0 blocks (Q4_0 and Q4_K files use the Q4_1 panels) multiplied by the same C++ GEMM, expanded to fp32 in registers
   (`--quantized-weights auto`, the default for such files: 0.75 / 1.125 bytes a weight);
 - fp32 oneDNN linear on weights packed once (`runner/models/llama.Linear`) — the default before
   the panel GEMM, and where it has no AVX-512 path;

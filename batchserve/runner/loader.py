@@ -29,8 +29,9 @@ class ModelLoadError(RuntimeError):
     """The model could not be found or read; the message says what to do."""
 
 
-# GGUF block formats the C++ GEMM multiplies from directly: name -> its `fmt` code in gemm.cpp
-GGUF_BLOCK_FORMATS = {"Q4_1": 0, "Q8_0": 1}
+# GGUF block types the C++ GEMM multiplies from directly: name -> its code in gemm.cpp's pack_q
+# (Q4_0 and Q4_K are regrouped into the Q4_1 panel layout; other types are dequantized)
+GGUF_BLOCK_FORMATS = {"Q4_1": 0, "Q8_0": 1, "Q4_0": 2, "Q4_K": 3}
 
 
 @dataclass
@@ -39,7 +40,7 @@ class LoadedModel:
     weights: dict[str, torch.Tensor]
     tokenizer: Any | None
     name: str
-    # A GGUF file's block-quantized matrices as stored (HF name -> (format code, uint8 [rows, bytes]),
+    # A GGUF file's block-quantized matrices as stored (HF name -> (GGUF_BLOCK_FORMATS code, uint8 [rows, bytes]),
     # rows in HF order); `weights` holds the same matrices dequantized.
     quantized: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
 

@@ -237,7 +237,7 @@ void for_row_blocks(int64_t m_lo, int64_t rows, int64_t mr_max, Fn fn) {
 }
 
 
-// ---- GGUF block-quantized weights (Q4_1, Q8_0), multiplied without a float32 copy --------------
+// ---- GGUF block-quantized weights (Q4_1 panels, also holding Q4_0 and Q4_K; Q8_0), no fp32 copy -
 // The file's blocks are regrouped into the panel layout: for each panel and each block of 32 k,
 // first the 32 columns' scales (and Q4_1's minimums) as float32, then per k the 32 columns'
 // quants. Q4_1: 16 bytes per k, byte j = column j (low nibble) | column j+16 (high nibble).
@@ -393,40 +393,94 @@ void check_q(const torch::Tensor& wq, int64_t n, QFmt f, const char* what) {
   check_n(wq, n, what);
 }
 
+
+// The GGUF block types pack_q reads. Q4_0 and Q4_K become Q4_1 panels: a Q4_0 weight
+// d*(q-8) is d*q + (-8d), and a Q4_K weight (d*sc)*q - dmin*m has a per-32 scale d*sc and
+// minimum -(dmin*m); with fp16 d, dmin and 6-bit sc, m all of these products are exact in fp32,
+// so the panels hold the same floats as gguf's dequantization and the FMA rounds as its
+// subtraction does.
+enum SrcFmt : int64_t { kSrcQ4_1 = 0, kSrcQ8_0 = 1, kSrcQ4_0 = 2, kSrcQ4_K = 3 };
+
+// Bytes per block of the source type, and how many k one block covers.
+inline void src_layout(SrcFmt s, int64_t& bytes, int64_t& k) {
+  switch (s) {
+    case kSrcQ4_1: bytes = 20, k = 32; return;
+    case kSrcQ8_0: bytes = 34, k = 32; return;
+    case kSrcQ4_0: bytes = 18, k = 32; return;
+    default: bytes = 144, k = 256; return;  // Q4_K: fp16 d, fp16 dmin, 12 bytes of 6-bit scales, 128 of quants
+  }
+}
+
+// Scale, minimum and the 32 quants of 32-k block kb of one row in the source format.
+void read_block(SrcFmt s, const uint8_t* row, int64_t kb, float& d, float& m, int q[QB]) {
+  if (s == kSrcQ4_K) {
+    const uint8_t* sb = row + (kb / 8) * 144;
+    const int j = static_cast<int>(kb % 8);  // sub-block
+    const uint8_t* sc = sb + 4;
+    int scale, mn;
+    if (j < 4) {
+      scale = sc[j] & 0x3F;
+      mn = sc[4 + j] & 0x3F;
+    } else {
+      scale = (sc[8 + j - 4] & 0x0F) | ((sc[j - 4] >> 2) & 0x30);
+      mn = (sc[8 + j - 4] >> 4) | ((sc[4 + j - 4] >> 2) & 0x30);
+    }
+    d = half_bits_to_float(sb) * static_cast<float>(scale);
+    m = -(half_bits_to_float(sb + 2) * static_cast<float>(mn));
+    const uint8_t* qs = sb + 16 + (j / 2) * 32;
+    for (int e = 0; e < QB; ++e) q[e] = (j % 2 == 0) ? qs[e] & 0xF : qs[e] >> 4;
+    return;
+  }
+  int64_t bytes, k;
+  src_layout(s, bytes, k);
+  const uint8_t* b = row + kb * bytes;
+  d = half_bits_to_float(b);
+  if (s == kSrcQ8_0) {
+    m = 0.f;
+    for (int e = 0; e < QB; ++e) q[e] = static_cast<int8_t>(b[2 + e]);
+    return;
+  }
+  const uint8_t* qs = b + (s == kSrcQ4_1 ? 4 : 2);
+  m = s == kSrcQ4_1 ? half_bits_to_float(b + 2) : -8.f * d;
+  for (int e = 0; e < QB; ++e) q[e] = e < 16 ? qs[e] & 0xF : qs[e - 16] >> 4;
+}
+
 }  // namespace
 
-// GGUF blocks -> panels. raw: uint8 [N, K/32 * 20] (Q4_1: fp16 d, fp16 m, 16 bytes of nibbles,
-// element e of a block in byte e % 16, low nibble for e < 16) or [N, K/32 * 34] (Q8_0: fp16 d,
-// 32 int8), one row of W per row, as the file stores it.
-torch::Tensor pack_q(torch::Tensor raw, int64_t fmt) {
-  const QFmt f = static_cast<QFmt>(fmt);
-  TORCH_CHECK(f == kQ4_1 || f == kQ8_0, "pack_q: format must be 0 (Q4_1) or 1 (Q8_0), got ", fmt);
-  const int64_t src_bytes = f == kQ4_1 ? 20 : 34;
+// GGUF blocks -> panels. raw: uint8 [N, K / block_k * block_bytes], one row of W per row, as the
+// file stores it; src: 0 Q4_1, 1 Q8_0, 2 Q4_0, 3 Q4_K. Q8_0 gives Q8_0 panels (gemm_q fmt 1),
+// the others Q4_1 panels (fmt 0).
+torch::Tensor pack_q(torch::Tensor raw, int64_t src) {
+  const SrcFmt sf = static_cast<SrcFmt>(src);
+  TORCH_CHECK(src >= 0 && src <= 3, "pack_q: format must be 0 (Q4_1), 1 (Q8_0), 2 (Q4_0) or 3 (Q4_K), got ", src);
+  int64_t src_bytes, src_k;
+  src_layout(sf, src_bytes, src_k);
   TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == torch::kUInt8 && raw.dim() == 2 &&
                   raw.size(1) % src_bytes == 0 && raw.size(1) > 0,
-              "pack_q: raw blocks must be a uint8 CPU matrix [N, K/32 * ", src_bytes, "]");
+              "pack_q: raw blocks must be a uint8 CPU matrix [N, K/", src_k, " * ", src_bytes, "]");
   raw = raw.contiguous();
-  const int64_t N = raw.size(0), KB = raw.size(1) / src_bytes, NP = (N + NB - 1) / NB, bytes = q_block_bytes(f);
+  const QFmt f = sf == kSrcQ8_0 ? kQ8_0 : kQ4_1;
+  const int64_t N = raw.size(0), KB = raw.size(1) / src_bytes * (src_k / QB), NP = (N + NB - 1) / NB;
+  const int64_t bytes = q_block_bytes(f), row_bytes = raw.size(1);
   auto out = torch::zeros({NP, KB, bytes}, raw.options());
-  const uint8_t* src = raw.data_ptr<uint8_t>();
+  const uint8_t* srcp = raw.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, NP, 1, [&](int64_t lo, int64_t hi) {
+    int q[QB];
     for (int64_t p = lo; p < hi; ++p)
       for (int64_t kb = 0; kb < KB; ++kb) {
         uint8_t* blk = dst + (p * KB + kb) * bytes;
         float* d = reinterpret_cast<float*>(blk);
-        uint8_t* q = blk + (f == kQ4_1 ? 2 : 1) * NB * 4;
+        uint8_t* qd = blk + (f == kQ4_1 ? 2 : 1) * NB * 4;
         for (int j = 0; j < NB && p * NB + j < N; ++j) {
-          const uint8_t* s = src + (p * NB + j) * KB * src_bytes + kb * src_bytes;
-          d[j] = half_bits_to_float(s);
+          float scale, mn;
+          read_block(sf, srcp + (p * NB + j) * row_bytes, kb, scale, mn, q);
+          d[j] = scale;
           if (f == kQ4_1) {
-            d[NB + j] = half_bits_to_float(s + 2);
-            for (int e = 0; e < QB; ++e) {
-              const int v = e < 16 ? s[4 + e] & 0xF : s[4 + e - 16] >> 4;
-              q[e * 16 + j % 16] |= static_cast<uint8_t>(v << (j < 16 ? 0 : 4));
-            }
+            d[NB + j] = mn;
+            for (int e = 0; e < QB; ++e) qd[e * 16 + j % 16] |= static_cast<uint8_t>(q[e] << (j < 16 ? 0 : 4));
           } else {
-            for (int e = 0; e < QB; ++e) q[e * NB + j] = s[2 + e];
+            for (int e = 0; e < QB; ++e) qd[e * NB + j] = static_cast<uint8_t>(static_cast<int8_t>(q[e]));
           }
         }
       }
@@ -637,7 +691,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_bf16", &gemm_bf16, "x [M, K] (fp32 or bf16) @ W^T from the bf16 panels -> fp32 [M, n]", nogil);
   m.def("gemm", &gemm, "x [M, K] @ W^T from the packed panels -> [M, n]", nogil, py::arg("x"), py::arg("wp"), py::arg("n"),
         py::arg("isa_override") = -1);
-  m.def("pack_q", &pack_q, "GGUF Q4_1 (fmt 0) / Q8_0 (fmt 1) blocks [N, K/32 * bytes] -> panels", nogil);
+  m.def("pack_q", &pack_q, "GGUF blocks (0 Q4_1, 1 Q8_0, 2 Q4_0, 3 Q4_K) [N, row bytes] -> Q4_1 / Q8_0 panels", nogil);
   m.def("unpack_q", &unpack_q, "block-quantized panels -> float32 [n, K]", nogil);
   m.def("gemm_q", &gemm_q, "x [M, K] @ W^T from block-quantized panels -> [M, n]", nogil, py::arg("x"), py::arg("wq"),
         py::arg("n"), py::arg("fmt"), py::arg("isa_override") = -1, py::arg("fused_rows") = -1);
