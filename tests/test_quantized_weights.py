@@ -144,3 +144,13 @@ def test_the_default_gguf_model_runs_from_its_blocks_with_the_dense_models_resul
         logits[qw] = [runner.compute_logits(b) for b in steps]
     for a, b in zip(logits["auto"], logits["off"]):
         assert torch.equal(a, b)
+
+
+def test_the_cli_flag_reaches_the_config():
+    from batchserve.cli import build_parser, engine_config
+
+    for argv, want in ((["serve"], "auto"), (["serve", "--quantized-weights", "off"], "off"),
+                       (["generate", "--quantized-weights", "off", "hi"], "off")):
+        assert engine_config(build_parser().parse_args(argv)).model.quantized_weights == want
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--quantized-weights", "int4"])
