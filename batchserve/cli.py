@@ -26,7 +26,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="bfloat16: the decoder layers' matrix products in bf16 over float32 activations, norms, "
                         "KV cache and LM head (auto: as --dtype)")
     g.add_argument("--quantized-weights", default="auto", choices=["auto", "off"],
-                   help="auto: multiply from a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 blocks as stored (C++ GEMM, float32 math; "
+                   help="auto: multiply from a GGUF file's Q4_0/Q4_1/Q4_K/Q6_K/Q8_0 blocks as stored (C++ GEMM, float32 math; "
                         "the same products as the dequantized weights from ~5x fewer bytes); off: dequantize at load")
     g = p.add_argument_group("kv cache")
     g.add_argument("--kv-cache-gb", type=float, default=CacheConfig.kv_cache_gb)

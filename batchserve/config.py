@@ -35,9 +35,9 @@ class ModelConfig:
     # auto: the matrix products in `dtype`; bfloat16 with dtype float32: the decoder layers' products
     # in bf16 (half the weight bytes; where the CPU has bf16 instructions, faster), all else float32
     matmul_dtype: str = "auto"
-    # auto: a GGUF file's Q4_0 / Q4_1 / Q4_K / Q8_0 matrices stay in their blocks and the C++ GEMM multiplies
-    # from them (CPU, float32, AVX-512 or the scratch path elsewhere): the same products as the
-    # dequantized float32 weights, bit for bit, from 5x fewer weight bytes; off: dequantize at load
+    # auto: a GGUF file's Q4_0 / Q4_1 / Q4_K / Q6_K / Q8_0 matrices stay in their blocks and the
+    # C++ GEMM multiplies from them (CPU, float32 activations): the same products as the
+    # dequantized float32 weights, bit for bit, from 3-5x fewer weight bytes; off: dequantize at load
     quantized_weights: str = "auto"
 
     def __post_init__(self) -> None:

@@ -18,15 +18,16 @@ from batchserve.runner.models.llama import Linear
 
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.skipif(gemm_ext() is None, reason="no C++ toolchain")
-FORMATS = {"Q4_1": 0, "Q8_0": 1, "Q4_0": 2, "Q4_K": 3}  # pack_q's source codes
-PANEL = {"Q4_1": 0, "Q8_0": 1, "Q4_0": 0, "Q4_K": 0}  # gemm_q's panel layouts
+FORMATS = {"Q4_1": 0, "Q8_0": 1, "Q4_0": 2, "Q4_K": 3, "Q6_K": 4}  # pack_q's source codes
+PANEL = {"Q4_1": 0, "Q8_0": 1, "Q4_0": 0, "Q4_K": 0, "Q6_K": 2}  # gemm_q's panel layouts
+SUPER = ("Q4_K", "Q6_K")  # 256-weight super-blocks
 ISAS = ["portable", "avx2", "avx512"]
 
 
 def _blocks(n: int, k: int, kind: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(raw blocks [n, row bytes], gguf's own dequantization of them). Q4_1, Q8_0, Q4_0: random
-    weights through gguf's quantizer. Q4_K (gguf has no quantizer for it): random super-blocks of
-    256 — any 6-bit scales and minimums, any nibbles, fp16 d and dmin of weight-like size."""
+    weights through gguf's quantizer. Q4_K, Q6_K (gguf has no quantizer for them): random
+    super-blocks of 256 — any scales, minimums and quants, fp16 d (and dmin) of weight-like size."""
     rng = np.random.default_rng(seed)
     qt = gguf.GGMLQuantizationType[kind]
     if kind == "Q4_K":
@@ -35,6 +36,11 @@ def _blocks(n: int, k: int, kind: str, seed: int = 0) -> tuple[torch.Tensor, tor
         raw[:, :, 0:2] = (rng.standard_normal((n, nb)) * 0.01).astype(np.float16).view(np.uint8).reshape(n, nb, 2)
         raw[:, :, 2:4] = (abs(rng.standard_normal((n, nb))) * 0.01).astype(np.float16).view(np.uint8).reshape(n, nb, 2)
         raw = raw.reshape(n, nb * 144)
+    elif kind == "Q6_K":
+        nb = k // 256
+        raw = rng.integers(0, 256, (n, nb, 210), dtype=np.uint8)
+        raw[:, :, 208:210] = (rng.standard_normal((n, nb)) * 0.001).astype(np.float16).view(np.uint8).reshape(n, nb, 2)
+        raw = raw.reshape(n, nb * 210)
     else:
         raw = gguf.quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.1, qt)
     return torch.from_numpy(raw), torch.from_numpy(gguf.dequantize(raw, qt).astype(np.float32))
@@ -43,9 +49,10 @@ def _blocks(n: int, k: int, kind: str, seed: int = 0) -> tuple[torch.Tensor, tor
 @pytest.mark.parametrize("kind", FORMATS)
 def test_blocks_unpack_to_ggufs_own_dequantization(kind):
     """Every supported GGUF type lands in the panels as exactly the floats gguf dequantizes to
-    (Q4_0 and Q4_K regrouped into the Q4_1 panel layout with a per-32 scale and minimum)."""
+    (Q4_0 and Q4_K regrouped into the Q4_1 panel layout with a per-32 scale and minimum, Q6_K
+    into int8 panels with a scale per 16)."""
     ext = gemm_ext()
-    shapes = ((40, 256), (96, 512), (1, 256)) if kind == "Q4_K" else ((40, 64), (96, 576), (1, 32))
+    shapes = ((40, 256), (96, 512), (1, 256)) if kind in SUPER else ((40, 64), (96, 576), (1, 32))
     for n, k in shapes:
         raw, dense = _blocks(n, k, kind)
         wq = ext.pack_q(raw, FORMATS[kind])
@@ -64,7 +71,7 @@ def test_block_gemm_equals_the_dense_gemm_bit_for_bit(kind, isa):
     if ISAS.index(isa) > ISAS.index(ext.isa()):
         pytest.skip(f"this CPU has no {isa}")
     g = torch.Generator().manual_seed(1)
-    for n, k in ((70, 256), (960, 512)) if kind == "Q4_K" else ((70, 96), (960, 576)):
+    for n, k in ((70, 256), (960, 512)) if kind in SUPER else ((70, 96), (960, 576)):
         raw, dense = _blocks(n, k, kind, seed=n)
         wq, wp = ext.pack_q(raw, FORMATS[kind]), ext.pack(dense)
         for m in (1, 5, 12, 13, 32, 37, 600, 0):

@@ -30,8 +30,9 @@ class ModelLoadError(RuntimeError):
 
 
 # GGUF block types the C++ GEMM multiplies from directly: name -> its code in gemm.cpp's pack_q
-# (Q4_0 and Q4_K are regrouped into the Q4_1 panel layout; other types are dequantized)
-GGUF_BLOCK_FORMATS = {"Q4_1": 0, "Q8_0": 1, "Q4_0": 2, "Q4_K": 3}
+# (Q4_0 and Q4_K are regrouped into the Q4_1 panel layout, Q6_K into int8 panels with a scale per
+# 16 k; other types are dequantized)
+GGUF_BLOCK_FORMATS = {"Q4_1": 0, "Q8_0": 1, "Q4_0": 2, "Q4_K": 3, "Q6_K": 4}
 
 
 @dataclass

@@ -244,15 +244,19 @@ void for_row_blocks(int64_t m_lo, int64_t rows, int64_t mr_max, Fn fn) {
 // Q8_0: 32 int8 per k. A weight is d*q + m (Q4_1) or d*q (Q8_0); with fp16 d and a 4- or 8-bit
 // q the product is exact in float32, so the value each FMA sees is bit for bit the float32 that
 // gguf's dequantize gives, and the products equal the float32 panel GEMM's exactly.
-enum QFmt : int64_t { kQ4_1 = 0, kQ8_0 = 1 };
+enum QFmt : int64_t { kQ4_1 = 0, kQ8_0 = 1, kQ8_16 = 2 };  // kQ8_16: int8 quants, a scale per 16 k (Q6_K)
 constexpr int QB = 32;  // k per block
 constexpr int64_t Q4_BYTES = 2 * NB * 4 + QB * 16;  // 768 per panel block
 constexpr int64_t Q8_BYTES = NB * 4 + QB * NB;      // 1152
+constexpr int64_t Q8_16_BYTES = 2 * NB * 4 + QB * NB;  // 1280: scales for k 0-15, then for k 16-31
 constexpr int MRQ = 12;   // rows per fused tile: 24 sums + scales, minimums, weights, broadcast
 constexpr int64_t FUSED_ROWS = 36;  // up to this many rows fused tiles (measured faster to 32), then the scratch
 constexpr int64_t PFQ = 4;  // prefetch this many panel blocks ahead
 
-inline int64_t q_block_bytes(QFmt f) { return f == kQ4_1 ? Q4_BYTES : Q8_BYTES; }
+constexpr int64_t q_block_bytes(int64_t f) { return f == kQ4_1 ? Q4_BYTES : f == kQ8_0 ? Q8_BYTES : Q8_16_BYTES; }
+// Where a panel block's quants start: after one (Q8_0) or two (Q4_1: scales, minimums; Q8_16:
+// two halves' scales) vectors of 32 floats.
+constexpr int64_t q_offset(int64_t f) { return (f == kQ8_0 ? 1 : 2) * NB * 4; }
 
 // The fused tile: each k's 32 weights are expanded from the quants in registers, then multiplied
 // into MR rows, so the weights cross the memory bus at 0.75 (Q4_1) or 1.125 (Q8_0) bytes each.
@@ -260,7 +264,7 @@ template <int MR, int F>
 __attribute__((target("avx512f"))) void tile_q512(const float* __restrict a, int64_t lda,
                                                    const uint8_t* __restrict wq, int64_t KB,
                                                    float* __restrict c, int64_t ldc, int ncols) {
-  constexpr int64_t BYTES = F == kQ4_1 ? Q4_BYTES : Q8_BYTES;
+  constexpr int64_t BYTES = q_block_bytes(F);
   __m512 c0[MR], c1[MR];
 #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) {
@@ -271,13 +275,13 @@ __attribute__((target("avx512f"))) void tile_q512(const float* __restrict a, int
   for (int64_t kb = 0; kb < KB; ++kb) {
     const uint8_t* blk = wq + kb * BYTES;
     const float* sc = reinterpret_cast<const float*>(blk);
-    const __m512 d0 = _mm512_loadu_ps(sc), d1 = _mm512_loadu_ps(sc + 16);
+    __m512 d0 = _mm512_loadu_ps(sc), d1 = _mm512_loadu_ps(sc + 16);
     __m512 m0 = _mm512_setzero_ps(), m1 = _mm512_setzero_ps();
     if (F == kQ4_1) {
       m0 = _mm512_loadu_ps(sc + 32);
       m1 = _mm512_loadu_ps(sc + 48);
     }
-    const uint8_t* q = blk + (F == kQ4_1 ? 2 : 1) * NB * 4;
+    const uint8_t* q = blk + q_offset(F);
     const char* ahead = reinterpret_cast<const char*>(blk + PFQ * BYTES);
     const float* ak = a + kb * QB;
 #pragma GCC unroll 2
@@ -285,6 +289,10 @@ __attribute__((target("avx512f"))) void tile_q512(const float* __restrict a, int
       if (k * 64 < BYTES / 2) {  // the block PFQ ahead, two lines per k until it is covered
         _mm_prefetch(ahead + k * 128, _MM_HINT_T0);
         _mm_prefetch(ahead + k * 128 + 64, _MM_HINT_T0);
+      }
+      if (F == kQ8_16 && k == QB / 2) {  // the second half of the block has its own scales
+        d0 = _mm512_loadu_ps(sc + 32);
+        d1 = _mm512_loadu_ps(sc + 48);
       }
       __m512 w0, w1;
       if (F == kQ4_1) {
@@ -317,10 +325,13 @@ template <int MR> void tile_q4_512(const float* a, int64_t lda, const uint8_t* w
                                    int nc) { tile_q512<MR, kQ4_1>(a, lda, w, KB, c, ldc, nc); }
 template <int MR> void tile_q8_512(const float* a, int64_t lda, const uint8_t* w, int64_t KB, float* c, int64_t ldc,
                                    int nc) { tile_q512<MR, kQ8_0>(a, lda, w, KB, c, ldc, nc); }
+template <int MR> void tile_q8s_512(const float* a, int64_t lda, const uint8_t* w, int64_t KB, float* c, int64_t ldc,
+                                    int nc) { tile_q512<MR, kQ8_16>(a, lda, w, KB, c, ldc, nc); }
 using TileQFn = void (*)(const float*, int64_t, const uint8_t*, int64_t, float*, int64_t, int);
 static_assert(MRQ <= 14, "the tile tables stop at 14 rows");
 BATCHSERVE_TILES(TileQFn, tile_q4_512);
 BATCHSERVE_TILES(TileQFn, tile_q8_512);
+BATCHSERVE_TILES(TileQFn, tile_q8s_512);
 
 // One panel's weights as float32 [K][32] (for more rows than one fused tile, and for the AVX2
 // and portable paths, which then run their float32 tiles on it from cache).
@@ -328,10 +339,11 @@ void dequant_panel(QFmt f, const uint8_t* wq, int64_t KB, float* out) {
   const int64_t bytes = q_block_bytes(f);
   for (int64_t kb = 0; kb < KB; ++kb) {
     const uint8_t* blk = wq + kb * bytes;
-    float d[NB], m[NB] = {};
+    float d[NB], m[NB] = {}, d2[NB];
     std::memcpy(d, blk, sizeof(d));
     if (f == kQ4_1) std::memcpy(m, blk + sizeof(d), sizeof(m));
-    const uint8_t* q = blk + (f == kQ4_1 ? 2 : 1) * NB * 4;
+    std::memcpy(d2, f == kQ8_16 ? blk + sizeof(d) : blk, sizeof(d2));  // scales of k 16-31
+    const uint8_t* q = blk + q_offset(f);
     float* o = out + kb * QB * NB;
     for (int k = 0; k < QB; ++k)
       for (int j = 0; j < NB; ++j) {
@@ -339,7 +351,7 @@ void dequant_panel(QFmt f, const uint8_t* wq, int64_t KB, float* out) {
           const int v = j < 16 ? q[k * 16 + j] & 0xF : q[k * 16 + j - 16] >> 4;
           o[k * NB + j] = std::fma(static_cast<float>(v), d[j], m[j]);
         } else {
-          o[k * NB + j] = static_cast<float>(static_cast<int8_t>(q[k * NB + j])) * d[j];
+          o[k * NB + j] = static_cast<float>(static_cast<int8_t>(q[k * NB + j])) * (k < QB / 2 ? d[j] : d2[j]);
         }
       }
   }
@@ -349,13 +361,13 @@ void dequant_panel(QFmt f, const uint8_t* wq, int64_t KB, float* out) {
 template <int F>
 __attribute__((target("avx512f"))) void dequant_panel512(const uint8_t* __restrict wq, int64_t KB,
                                                           float* __restrict out) {
-  constexpr int64_t BYTES = F == kQ4_1 ? Q4_BYTES : Q8_BYTES;
+  constexpr int64_t BYTES = q_block_bytes(F);
   const __m512i low4 = _mm512_set1_epi32(0xF);
   for (int64_t kb = 0; kb < KB; ++kb) {
     const uint8_t* blk = wq + kb * BYTES;
     const float* sc = reinterpret_cast<const float*>(blk);
-    const __m512 d0 = _mm512_loadu_ps(sc), d1 = _mm512_loadu_ps(sc + 16);
-    const uint8_t* q = blk + (F == kQ4_1 ? 2 : 1) * NB * 4;
+    __m512 d0 = _mm512_loadu_ps(sc), d1 = _mm512_loadu_ps(sc + 16);
+    const uint8_t* q = blk + q_offset(F);
     const char* ahead = reinterpret_cast<const char*>(blk + PFQ * BYTES);
     for (int64_t i = 0; i < BYTES; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
     float* o = out + kb * QB * NB;
@@ -370,6 +382,10 @@ __attribute__((target("avx512f"))) void dequant_panel512(const uint8_t* __restri
     } else {
 #pragma GCC unroll 4
       for (int k = 0; k < QB; ++k) {
+        if (F == kQ8_16 && k == QB / 2) {
+          d0 = _mm512_loadu_ps(sc + 32);
+          d1 = _mm512_loadu_ps(sc + 48);
+        }
         const __m128i* qk = reinterpret_cast<const __m128i*>(q + k * NB);
         _mm512_storeu_ps(o + k * NB, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qk))), d0));
         _mm512_storeu_ps(o + k * NB + 16,
@@ -386,7 +402,8 @@ inline float half_bits_to_float(const uint8_t* p) {
 }
 
 void check_q(const torch::Tensor& wq, int64_t n, QFmt f, const char* what) {
-  TORCH_CHECK(f == kQ4_1 || f == kQ8_0, what, ": format must be 0 (Q4_1) or 1 (Q8_0), got ", static_cast<int64_t>(f));
+  TORCH_CHECK(f >= kQ4_1 && f <= kQ8_16, what, ": format must be 0 (Q4_1), 1 (Q8_0) or 2 (Q8 with a scale per 16 k), got ",
+              static_cast<int64_t>(f));
   TORCH_CHECK(wq.device().is_cpu() && wq.scalar_type() == torch::kUInt8 && wq.dim() == 3 &&
                   wq.size(2) == q_block_bytes(f) && wq.is_contiguous(),
               what, ": packed weight must be a contiguous uint8 CPU tensor [panels, K/32, ", q_block_bytes(f), "]");
@@ -394,12 +411,13 @@ void check_q(const torch::Tensor& wq, int64_t n, QFmt f, const char* what) {
 }
 
 
-// The GGUF block types pack_q reads. Q4_0 and Q4_K become Q4_1 panels: a Q4_0 weight
+// The GGUF block types pack_q reads. Q6_K becomes int8 panels with a scale per 16 k (its (d*sc)
+// is exact in fp32, and the one rounding of (d*sc)*q is gguf's). Q4_0 and Q4_K become Q4_1 panels: a Q4_0 weight
 // d*(q-8) is d*q + (-8d), and a Q4_K weight (d*sc)*q - dmin*m has a per-32 scale d*sc and
 // minimum -(dmin*m); with fp16 d, dmin and 6-bit sc, m all of these products are exact in fp32,
 // so the panels hold the same floats as gguf's dequantization and the FMA rounds as its
 // subtraction does.
-enum SrcFmt : int64_t { kSrcQ4_1 = 0, kSrcQ8_0 = 1, kSrcQ4_0 = 2, kSrcQ4_K = 3 };
+enum SrcFmt : int64_t { kSrcQ4_1 = 0, kSrcQ8_0 = 1, kSrcQ4_0 = 2, kSrcQ4_K = 3, kSrcQ6_K = 4 };
 
 // Bytes per block of the source type, and how many k one block covers.
 inline void src_layout(SrcFmt s, int64_t& bytes, int64_t& k) {
@@ -407,12 +425,31 @@ inline void src_layout(SrcFmt s, int64_t& bytes, int64_t& k) {
     case kSrcQ4_1: bytes = 20, k = 32; return;
     case kSrcQ8_0: bytes = 34, k = 32; return;
     case kSrcQ4_0: bytes = 18, k = 32; return;
-    default: bytes = 144, k = 256; return;  // Q4_K: fp16 d, fp16 dmin, 12 bytes of 6-bit scales, 128 of quants
+    case kSrcQ4_K: bytes = 144, k = 256; return;  // fp16 d, fp16 dmin, 12 bytes of 6-bit scales, 128 of quants
+    default: bytes = 210, k = 256; return;  // Q6_K: 128 bytes of low nibbles, 64 of high pairs, 16 int8 scales, fp16 d
   }
 }
 
-// Scale, minimum and the 32 quants of 32-k block kb of one row in the source format.
-void read_block(SrcFmt s, const uint8_t* row, int64_t kb, float& d, float& m, int q[QB]) {
+// Scale, minimum and the 32 quants of 32-k block kb of one row in the source format; d2 is the
+// scale of the block's second 16 k (Q6_K has one per 16; the others repeat d).
+void read_block(SrcFmt s, const uint8_t* row, int64_t kb, float& d, float& d2, float& m, int q[QB]) {
+  if (s == kSrcQ6_K) {  // w = (d * scale[e / 16]) * (q - 32), q of 6 bits: 4 from ql, 2 from qh
+    const uint8_t* sb = row + (kb / 8) * 210;
+    const uint8_t *ql = sb, *qh = sb + 128;
+    const int8_t* scales = reinterpret_cast<const int8_t*>(sb + 192);
+    const float dd = half_bits_to_float(sb + 208);
+    const int64_t e0 = (kb % 8) * QB;  // first element of this block in the super-block
+    d = dd * static_cast<float>(scales[e0 / 16]);
+    d2 = dd * static_cast<float>(scales[e0 / 16 + 1]);
+    m = 0.f;
+    for (int i = 0; i < QB; ++i) {
+      const int64_t e = e0 + i, h = e / 128;
+      const int lo = (ql[h * 64 + e % 64] >> (4 * ((e / 64) % 2))) & 0xF;
+      const int hi = (qh[h * 32 + e % 32] >> (2 * ((e / 32) % 4))) & 0x3;
+      q[i] = (lo | (hi << 4)) - 32;
+    }
+    return;
+  }
   if (s == kSrcQ4_K) {
     const uint8_t* sb = row + (kb / 8) * 144;
     const int j = static_cast<int>(kb % 8);  // sub-block
@@ -425,7 +462,7 @@ void read_block(SrcFmt s, const uint8_t* row, int64_t kb, float& d, float& m, in
       scale = (sc[8 + j - 4] & 0x0F) | ((sc[j - 4] >> 2) & 0x30);
       mn = (sc[8 + j - 4] >> 4) | ((sc[4 + j - 4] >> 2) & 0x30);
     }
-    d = half_bits_to_float(sb) * static_cast<float>(scale);
+    d = d2 = half_bits_to_float(sb) * static_cast<float>(scale);
     m = -(half_bits_to_float(sb + 2) * static_cast<float>(mn));
     const uint8_t* qs = sb + 16 + (j / 2) * 32;
     for (int e = 0; e < QB; ++e) q[e] = (j % 2 == 0) ? qs[e] & 0xF : qs[e] >> 4;
@@ -434,7 +471,7 @@ void read_block(SrcFmt s, const uint8_t* row, int64_t kb, float& d, float& m, in
   int64_t bytes, k;
   src_layout(s, bytes, k);
   const uint8_t* b = row + kb * bytes;
-  d = half_bits_to_float(b);
+  d = d2 = half_bits_to_float(b);
   if (s == kSrcQ8_0) {
     m = 0.f;
     for (int e = 0; e < QB; ++e) q[e] = static_cast<int8_t>(b[2 + e]);
@@ -448,18 +485,18 @@ void read_block(SrcFmt s, const uint8_t* row, int64_t kb, float& d, float& m, in
 }  // namespace
 
 // GGUF blocks -> panels. raw: uint8 [N, K / block_k * block_bytes], one row of W per row, as the
-// file stores it; src: 0 Q4_1, 1 Q8_0, 2 Q4_0, 3 Q4_K. Q8_0 gives Q8_0 panels (gemm_q fmt 1),
-// the others Q4_1 panels (fmt 0).
+// file stores it; src: 0 Q4_1, 1 Q8_0, 2 Q4_0, 3 Q4_K, 4 Q6_K. Q8_0 gives Q8_0 panels (gemm_q
+// fmt 1), Q6_K int8 panels with a scale per 16 k (fmt 2), the others Q4_1 panels (fmt 0).
 torch::Tensor pack_q(torch::Tensor raw, int64_t src) {
   const SrcFmt sf = static_cast<SrcFmt>(src);
-  TORCH_CHECK(src >= 0 && src <= 3, "pack_q: format must be 0 (Q4_1), 1 (Q8_0), 2 (Q4_0) or 3 (Q4_K), got ", src);
+  TORCH_CHECK(src >= 0 && src <= 4, "pack_q: format must be 0 (Q4_1), 1 (Q8_0), 2 (Q4_0), 3 (Q4_K) or 4 (Q6_K), got ", src);
   int64_t src_bytes, src_k;
   src_layout(sf, src_bytes, src_k);
   TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == torch::kUInt8 && raw.dim() == 2 &&
                   raw.size(1) % src_bytes == 0 && raw.size(1) > 0,
               "pack_q: raw blocks must be a uint8 CPU matrix [N, K/", src_k, " * ", src_bytes, "]");
   raw = raw.contiguous();
-  const QFmt f = sf == kSrcQ8_0 ? kQ8_0 : kQ4_1;
+  const QFmt f = sf == kSrcQ8_0 ? kQ8_0 : sf == kSrcQ6_K ? kQ8_16 : kQ4_1;
   const int64_t N = raw.size(0), KB = raw.size(1) / src_bytes * (src_k / QB), NP = (N + NB - 1) / NB;
   const int64_t bytes = q_block_bytes(f), row_bytes = raw.size(1);
   auto out = torch::zeros({NP, KB, bytes}, raw.options());
@@ -471,11 +508,12 @@ torch::Tensor pack_q(torch::Tensor raw, int64_t src) {
       for (int64_t kb = 0; kb < KB; ++kb) {
         uint8_t* blk = dst + (p * KB + kb) * bytes;
         float* d = reinterpret_cast<float*>(blk);
-        uint8_t* qd = blk + (f == kQ4_1 ? 2 : 1) * NB * 4;
+        uint8_t* qd = blk + q_offset(f);
         for (int j = 0; j < NB && p * NB + j < N; ++j) {
-          float scale, mn;
-          read_block(sf, srcp + (p * NB + j) * row_bytes, kb, scale, mn, q);
+          float scale, scale2, mn;
+          read_block(sf, srcp + (p * NB + j) * row_bytes, kb, scale, scale2, mn, q);
           d[j] = scale;
+          if (f == kQ8_16) d[NB + j] = scale2;
           if (f == kQ4_1) {
             d[NB + j] = mn;
             for (int e = 0; e < QB; ++e) qd[e * 16 + j % 16] |= static_cast<uint8_t>(q[e] << (j < 16 ? 0 : 4));
@@ -521,7 +559,7 @@ torch::Tensor gemm_q(torch::Tensor x, torch::Tensor wq, int64_t n, int64_t fmt, 
   TORCH_CHECK(use >= kPortable && use <= native, "gemm_q: code path ", isa_override, " is not supported by this CPU");
   const TileFn* table = use == kAvx512 ? tile512_table : use == kAvx2 ? tile256_table : tile_portable_table;
   const int64_t mr_max = use == kAvx512 ? MR512 : use == kAvx2 ? MR256 : MRP;
-  const TileQFn* qtable = f == kQ4_1 ? tile_q4_512_table : tile_q8_512_table;
+  const TileQFn* qtable = f == kQ4_1 ? tile_q4_512_table : f == kQ8_0 ? tile_q8_512_table : tile_q8s_512_table;
 
   auto y = torch::empty({M, n}, x.options());
   if (M == 0 || n == 0) return y;
@@ -543,7 +581,8 @@ torch::Tensor gemm_q(torch::Tensor x, torch::Tensor wq, int64_t n, int64_t fmt, 
           continue;
         }
         if (use == kAvx512)
-          (f == kQ4_1 ? dequant_panel512<kQ4_1> : dequant_panel512<kQ8_0>)(wp, KB, scratch.data());
+          (f == kQ4_1 ? dequant_panel512<kQ4_1> : f == kQ8_0 ? dequant_panel512<kQ8_0> : dequant_panel512<kQ8_16>)(
+              wp, KB, scratch.data());
         else
           dequant_panel(f, wp, KB, scratch.data());
         for_row_blocks(m_lo, rows, mr_max, [&](int64_t m0, int64_t mr) {

@@ -159,7 +159,7 @@ class Linear:
     """y = x W^T on one of three backends, the weight stored once in that backend's layout:
     `cpp`: the C++ panel GEMM on weights packed into 32-column panels (bf16 weights: bf16 panels,
     fp32 sums and a float32 result; GGUF blocks through `from_blocks`: Q4_1 / Q8_0 panels, Q4_0 and
-    Q4_K regrouped into the Q4_1 ones);
+    Q4_K regrouped into the Q4_1 ones, Q6_K into int8 panels with a scale per 16 k);
     `onednn`: oneDNN on its blocked layout; `torch`: F.linear on the dense weight."""
 
     __slots__ = ("w", "backend", "n", "k", "_gemm", "fmt")
@@ -167,15 +167,16 @@ class Linear:
     @classmethod
     def from_blocks(cls, raw: torch.Tensor, src: int) -> "Linear":
         """From a GGUF file's blocks as stored (uint8 [N, row bytes]; `src` 0 = Q4_1, 1 = Q8_0,
-        2 = Q4_0, 3 = Q4_K): the C++ GEMM expands them in registers, float32 math, products equal
-        to the dequantized weights' bit for bit. `fmt` is the panel layout: 1 for Q8_0, else 0."""
+        2 = Q4_0, 3 = Q4_K, 4 = Q6_K): the C++ GEMM expands them in registers, float32 math,
+        products equal to the dequantized weights' bit for bit. `fmt` is the panel layout: 1 for
+        Q8_0, 2 for Q6_K (int8 with a scale per 16 k), else 0 (Q4_1's)."""
         from batchserve.runner.kernels import gemm_ext
 
         ext = gemm_ext()
         if ext is None:
             raise RuntimeError("quantized weights: the C++ panel GEMM did not build here")
         lin = cls.__new__(cls)
-        fmt = 1 if src == 1 else 0
+        fmt = {1: 1, 4: 2}.get(src, 0)
         lin.backend, lin.fmt, lin.n = "cpp", fmt, raw.shape[0]
         lin.w = ext.pack_q(raw, src)
         lin.k = lin.w.shape[1] * 32
