@@ -36,11 +36,12 @@ STAGING_BLOCKS = 64  # blocks per hand-off round trip
 
 def _worker(conn, config: EngineConfig, staging: torch.Tensor, threads: int) -> None:
     """A stage's process: load the model, then serve exec / export / import until stop."""
-    from batchserve.runner.loader import load_model
+    from batchserve.runner.loader import load_model, release_freed_memory
     from batchserve.runner.model_runner import ModelRunner
 
     torch.set_num_threads(threads)
     runner = ModelRunner(load_model(config.model), config.model, config.cache)
+    release_freed_memory()  # the loader's float32 copies the runner did not keep
     bs = runner.block_size
     conn.send(("ready", runner.num_blocks, runner.max_model_len, runner.cfg))
     while True:
