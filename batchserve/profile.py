@@ -35,12 +35,17 @@ TINY_MODEL = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "n
 _GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
 
 
+def row_excess(rows: int, row_knee: int | None) -> float:
+    """The row_excess regressor: a step's rows (tokens) past the knee, 0 without a knee."""
+    return float(max(0, rows - row_knee)) if row_knee else 0.0
+
+
 def features(prefills: list[tuple[int, int]], decode_ctx: list[int], row_knee: int | None = None) -> list[float]:
     """Regressors of one step: prefills as (start_pos, num_tokens), decodes by context length;
     with `row_knee`, also the step's rows (tokens) past it (0 without a knee)."""
-    rows = sum(n for _, n in prefills) + len(decode_ctx)
-    return [1.0, float(sum(n for _, n in prefills)), float(len(decode_ctx)), sum(decode_ctx) / 1e3,
-            sum(n * (s + n) for s, n in prefills) / 1e6, float(max(0, rows - row_knee)) if row_knee else 0.0]
+    prefill_tokens = sum(n for _, n in prefills)
+    return [1.0, float(prefill_tokens), float(len(decode_ctx)), sum(decode_ctx) / 1e3,
+            sum(n * (s + n) for s, n in prefills) / 1e6, row_excess(prefill_tokens + len(decode_ctx), row_knee)]
 
 
 def fit(rows: list[list[float]], times: list[float]) -> list[float]:
@@ -111,7 +116,7 @@ class ProfiledLatencyModel:
             return self.predict(prefill, decodes)
         x = features([(0, prefill)] if prefill else [], [], self.row_knee)
         x[2], x[3] = float(decodes), max(0, context - prefill) / 1e3
-        x[5] = float(max(0, prefill + decodes - self.row_knee)) if self.row_knee else 0.0
+        x[5] = row_excess(prefill + decodes, self.row_knee)
         return self._eval(x)
 
     def _eval(self, x: list[float]) -> float:

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from batchserve.bench.roofline import (decode_ceiling, measure_machine, median_time, prefill_ceiling,
-                                       stored_weight_bytes)
+from batchserve.bench.roofline import (decode_ceiling, linear_params, measure_machine, median_time,
+                                       prefill_ceiling, stored_weight_bytes)
 from batchserve.core.batch import ScheduledBatch, ScheduledSeq
 from batchserve.core.kv_cache import KVCacheManager
 from batchserve.request import SamplingParams
@@ -118,9 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     mach = measure_machine(cfg)
     qm = runner.model.quantized_matrices
     wbytes = stored_weight_bytes(runner.model)
-    fp32_bytes = 4 * sum(lin.n * lin.k for layer in runner.model.layers
-                         for lin in (layer["wqkv"], layer["wo"], layer["w_gate_up"], layer["w_down"]))
-    fp32_bytes += 4 * runner.model.lm_head.n * runner.model.lm_head.k
+    fp32_bytes = 4 * (linear_params(cfg) + cfg.vocab_size * cfg.hidden_size)  # what the fp32 ceiling counts
     lines = [f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch "
              f"{torch.__version__}, {mach.threads} threads. Matmul at the model's shapes: "
              + ", ".join(f"M={m}: {r:.0f}" for m, r in mach.matmul_gflops.items())

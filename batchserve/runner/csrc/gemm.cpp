@@ -237,13 +237,14 @@ void for_row_blocks(int64_t m_lo, int64_t rows, int64_t mr_max, Fn fn) {
 }
 
 
-// ---- GGUF block-quantized weights (Q4_1 panels, also holding Q4_0 and Q4_K; Q8_0), no fp32 copy -
+// ---- GGUF block-quantized weights, multiplied without a float32 copy --------------------------
 // The file's blocks are regrouped into the panel layout: for each panel and each block of 32 k,
-// first the 32 columns' scales (and Q4_1's minimums) as float32, then per k the 32 columns'
-// quants. Q4_1: 16 bytes per k, byte j = column j (low nibble) | column j+16 (high nibble).
-// Q8_0: 32 int8 per k. A weight is d*q + m (Q4_1) or d*q (Q8_0); with fp16 d and a 4- or 8-bit
-// q the product is exact in float32, so the value each FMA sees is bit for bit the float32 that
-// gguf's dequantize gives, and the products equal the float32 panel GEMM's exactly.
+// first the 32 columns' scales as float32 (Q4_1: then their minimums; Q8_16: then the scales of
+// k 16-31), then per k the 32 columns' quants. Q4_1 (also holding Q4_0 and Q4_K): 16 bytes per k,
+// byte j = column j (low nibble) | column j+16 (high nibble). Q8_0 and Q8_16 (Q6_K): 32 int8 per
+// k. A weight is d*q + m (Q4_1) or d*q (Q8); with fp16-derived d and small q the value each FMA
+// sees is bit for bit the float32 that gguf's dequantize gives (see pack_q), so the products
+// equal the float32 panel GEMM's exactly.
 enum QFmt : int64_t { kQ4_1 = 0, kQ8_0 = 1, kQ8_16 = 2 };  // kQ8_16: int8 quants, a scale per 16 k (Q6_K)
 constexpr int QB = 32;  // k per block
 constexpr int64_t Q4_BYTES = 2 * NB * 4 + QB * 16;  // 768 per panel block
@@ -258,6 +259,37 @@ constexpr int64_t q_block_bytes(int64_t f) { return f == kQ4_1 ? Q4_BYTES : f ==
 // two halves' scales) vectors of 32 floats.
 constexpr int64_t q_offset(int64_t f) { return (f == kQ8_0 ? 1 : 2) * NB * 4; }
 
+// One panel block's expansion: its scales (and minimums) in registers, then, k by k, the 32
+// weights of that k as two vectors. Used by the fused tile and by the AVX-512 scratch.
+template <int F>
+struct QBlock512 {
+  const float* sc;
+  const uint8_t* q;
+  __m512 d0, d1, m0, m1;
+
+  __attribute__((target("avx512f"))) explicit QBlock512(const uint8_t* blk)
+      : sc(reinterpret_cast<const float*>(blk)), q(blk + q_offset(F)),
+        d0(_mm512_loadu_ps(sc)), d1(_mm512_loadu_ps(sc + 16)),
+        m0(F == kQ4_1 ? _mm512_loadu_ps(sc + 32) : _mm512_setzero_ps()),
+        m1(F == kQ4_1 ? _mm512_loadu_ps(sc + 48) : _mm512_setzero_ps()) {}
+
+  __attribute__((target("avx512f"))) inline void weights(int k, __m512& w0, __m512& w1) {
+    if (F == kQ8_16 && k == QB / 2) {  // the second half of the block has its own scales
+      d0 = _mm512_loadu_ps(sc + 32);
+      d1 = _mm512_loadu_ps(sc + 48);
+    }
+    if (F == kQ4_1) {
+      const __m512i qi = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * 16)));
+      w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(qi, _mm512_set1_epi32(0xF))), d0, m0);
+      w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(qi, 4)), d1, m1);
+    } else {
+      const __m128i* qk = reinterpret_cast<const __m128i*>(q + k * NB);
+      w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qk))), d0);
+      w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qk + 1))), d1);
+    }
+  }
+};
+
 // The fused tile: each k's 32 weights are expanded from the quants in registers, then multiplied
 // into MR rows, so the weights cross the memory bus at 0.75 (Q4_1) or 1.125 (Q8_0) bytes each.
 template <int MR, int F>
@@ -271,17 +303,9 @@ __attribute__((target("avx512f"))) void tile_q512(const float* __restrict a, int
     c0[r] = _mm512_setzero_ps();
     c1[r] = _mm512_setzero_ps();
   }
-  const __m512i low4 = _mm512_set1_epi32(0xF);
   for (int64_t kb = 0; kb < KB; ++kb) {
     const uint8_t* blk = wq + kb * BYTES;
-    const float* sc = reinterpret_cast<const float*>(blk);
-    __m512 d0 = _mm512_loadu_ps(sc), d1 = _mm512_loadu_ps(sc + 16);
-    __m512 m0 = _mm512_setzero_ps(), m1 = _mm512_setzero_ps();
-    if (F == kQ4_1) {
-      m0 = _mm512_loadu_ps(sc + 32);
-      m1 = _mm512_loadu_ps(sc + 48);
-    }
-    const uint8_t* q = blk + q_offset(F);
+    QBlock512<F> qb(blk);
     const char* ahead = reinterpret_cast<const char*>(blk + PFQ * BYTES);
     const float* ak = a + kb * QB;
 #pragma GCC unroll 2
@@ -290,20 +314,8 @@ __attribute__((target("avx512f"))) void tile_q512(const float* __restrict a, int
         _mm_prefetch(ahead + k * 128, _MM_HINT_T0);
         _mm_prefetch(ahead + k * 128 + 64, _MM_HINT_T0);
       }
-      if (F == kQ8_16 && k == QB / 2) {  // the second half of the block has its own scales
-        d0 = _mm512_loadu_ps(sc + 32);
-        d1 = _mm512_loadu_ps(sc + 48);
-      }
       __m512 w0, w1;
-      if (F == kQ4_1) {
-        const __m512i qi = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * 16)));
-        w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(qi, low4)), d0, m0);
-        w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(qi, 4)), d1, m1);
-      } else {
-        const __m128i* qk = reinterpret_cast<const __m128i*>(q + k * NB);
-        w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qk))), d0);
-        w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qk + 1))), d1);
-      }
+      qb.weights(k, w0, w1);
 #pragma GCC unroll 16
       for (int r = 0; r < MR; ++r) {
         const __m512 av = _mm512_set1_ps(ak[r * lda + k]);
@@ -362,35 +374,18 @@ template <int F>
 __attribute__((target("avx512f"))) void dequant_panel512(const uint8_t* __restrict wq, int64_t KB,
                                                           float* __restrict out) {
   constexpr int64_t BYTES = q_block_bytes(F);
-  const __m512i low4 = _mm512_set1_epi32(0xF);
   for (int64_t kb = 0; kb < KB; ++kb) {
     const uint8_t* blk = wq + kb * BYTES;
-    const float* sc = reinterpret_cast<const float*>(blk);
-    __m512 d0 = _mm512_loadu_ps(sc), d1 = _mm512_loadu_ps(sc + 16);
-    const uint8_t* q = blk + q_offset(F);
+    QBlock512<F> qb(blk);
     const char* ahead = reinterpret_cast<const char*>(blk + PFQ * BYTES);
     for (int64_t i = 0; i < BYTES; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
     float* o = out + kb * QB * NB;
-    if (F == kQ4_1) {
-      const __m512 m0 = _mm512_loadu_ps(sc + 32), m1 = _mm512_loadu_ps(sc + 48);
 #pragma GCC unroll 4
-      for (int k = 0; k < QB; ++k) {
-        const __m512i qi = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * 16)));
-        _mm512_storeu_ps(o + k * NB, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(qi, low4)), d0, m0));
-        _mm512_storeu_ps(o + k * NB + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(qi, 4)), d1, m1));
-      }
-    } else {
-#pragma GCC unroll 4
-      for (int k = 0; k < QB; ++k) {
-        if (F == kQ8_16 && k == QB / 2) {
-          d0 = _mm512_loadu_ps(sc + 32);
-          d1 = _mm512_loadu_ps(sc + 48);
-        }
-        const __m128i* qk = reinterpret_cast<const __m128i*>(q + k * NB);
-        _mm512_storeu_ps(o + k * NB, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qk))), d0));
-        _mm512_storeu_ps(o + k * NB + 16,
-                         _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(qk + 1))), d1));
-      }
+    for (int k = 0; k < QB; ++k) {
+      __m512 w0, w1;
+      qb.weights(k, w0, w1);
+      _mm512_storeu_ps(o + k * NB, w0);
+      _mm512_storeu_ps(o + k * NB + 16, w1);
     }
   }
 }
@@ -433,8 +428,10 @@ inline void src_layout(SrcFmt s, int64_t& bytes, int64_t& k) {
 // Scale, minimum and the 32 quants of 32-k block kb of one row in the source format; d2 is the
 // scale of the block's second 16 k (Q6_K has one per 16; the others repeat d).
 void read_block(SrcFmt s, const uint8_t* row, int64_t kb, float& d, float& d2, float& m, int q[QB]) {
+  int64_t bytes, k;
+  src_layout(s, bytes, k);
   if (s == kSrcQ6_K) {  // w = (d * scale[e / 16]) * (q - 32), q of 6 bits: 4 from ql, 2 from qh
-    const uint8_t* sb = row + (kb / 8) * 210;
+    const uint8_t* sb = row + (kb / 8) * bytes;
     const uint8_t *ql = sb, *qh = sb + 128;
     const int8_t* scales = reinterpret_cast<const int8_t*>(sb + 192);
     const float dd = half_bits_to_float(sb + 208);
@@ -451,7 +448,7 @@ void read_block(SrcFmt s, const uint8_t* row, int64_t kb, float& d, float& d2, f
     return;
   }
   if (s == kSrcQ4_K) {
-    const uint8_t* sb = row + (kb / 8) * 144;
+    const uint8_t* sb = row + (kb / 8) * bytes;
     const int j = static_cast<int>(kb % 8);  // sub-block
     const uint8_t* sc = sb + 4;
     int scale, mn;
@@ -468,8 +465,6 @@ void read_block(SrcFmt s, const uint8_t* row, int64_t kb, float& d, float& d2, f
     for (int e = 0; e < QB; ++e) q[e] = (j % 2 == 0) ? qs[e] & 0xF : qs[e] >> 4;
     return;
   }
-  int64_t bytes, k;
-  src_layout(s, bytes, k);
   const uint8_t* b = row + kb * bytes;
   d = d2 = half_bits_to_float(b);
   if (s == kSrcQ8_0) {
@@ -566,31 +561,27 @@ torch::Tensor gemm_q(torch::Tensor x, torch::Tensor wq, int64_t n, int64_t fmt, 
   const float* a = x.data_ptr<float>();
   const uint8_t* w = wq.data_ptr<uint8_t>();
   float* c = y.data_ptr<float>();
-  for (int64_t m_lo = 0; m_lo < M; m_lo += MCHUNK) {
-    const int64_t rows = std::min(MCHUNK, M - m_lo);
-    const bool fused = use == kAvx512 && rows <= (fused_rows < 0 ? FUSED_ROWS : fused_rows);
-    at::parallel_for(0, NP, 1, [&](int64_t lo, int64_t hi) {
-      std::vector<float> scratch(fused ? 0 : K * NB);
-      for (int64_t p = lo; p < hi; ++p) {
-        const int ncols = static_cast<int>(std::min<int64_t>(NB, n - p * NB));
-        const uint8_t* wp = w + p * KB * bytes;
-        if (fused) {
-          for_row_blocks(m_lo, rows, MRQ, [&](int64_t m0, int64_t mr) {
-            qtable[mr](a + m0 * K, K, wp, KB, c + m0 * n + p * NB, n, ncols);
-          });
-          continue;
-        }
-        if (use == kAvx512)
-          (f == kQ4_1 ? dequant_panel512<kQ4_1> : f == kQ8_0 ? dequant_panel512<kQ8_0> : dequant_panel512<kQ8_16>)(
-              wp, KB, scratch.data());
-        else
-          dequant_panel(f, wp, KB, scratch.data());
-        for_row_blocks(m_lo, rows, mr_max, [&](int64_t m0, int64_t mr) {
-          table[mr](a + m0 * K, K, scratch.data(), K, c + m0 * n + p * NB, n, ncols);
-        });
-      }
+  const int64_t max_fused = fused_rows < 0 ? FUSED_ROWS : fused_rows;
+  for_panels(M, NP, MCHUNK, [&](int64_t p, int64_t m_lo, int64_t rows) {
+    const int ncols = static_cast<int>(std::min<int64_t>(NB, n - p * NB));
+    const uint8_t* wp = w + p * KB * bytes;
+    if (use == kAvx512 && rows <= max_fused) {
+      for_row_blocks(m_lo, rows, MRQ, [&](int64_t m0, int64_t mr) {
+        qtable[mr](a + m0 * K, K, wp, KB, c + m0 * n + p * NB, n, ncols);
+      });
+      return;
+    }
+    thread_local std::vector<float> scratch;  // one panel as float32, kept by the thread between calls
+    scratch.resize(K * NB);
+    if (use == kAvx512)
+      (f == kQ4_1 ? dequant_panel512<kQ4_1> : f == kQ8_0 ? dequant_panel512<kQ8_0> : dequant_panel512<kQ8_16>)(
+          wp, KB, scratch.data());
+    else
+      dequant_panel(f, wp, KB, scratch.data());
+    for_row_blocks(m_lo, rows, mr_max, [&](int64_t m0, int64_t mr) {
+      table[mr](a + m0 * K, K, scratch.data(), K, c + m0 * n + p * NB, n, ncols);
     });
-  }
+  });
   return y;
 }
 
@@ -730,7 +721,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_bf16", &gemm_bf16, "x [M, K] (fp32 or bf16) @ W^T from the bf16 panels -> fp32 [M, n]", nogil);
   m.def("gemm", &gemm, "x [M, K] @ W^T from the packed panels -> [M, n]", nogil, py::arg("x"), py::arg("wp"), py::arg("n"),
         py::arg("isa_override") = -1);
-  m.def("pack_q", &pack_q, "GGUF blocks (0 Q4_1, 1 Q8_0, 2 Q4_0, 3 Q4_K) [N, row bytes] -> Q4_1 / Q8_0 panels", nogil);
+  m.def("pack_q", &pack_q, "GGUF blocks (0 Q4_1, 1 Q8_0, 2 Q4_0, 3 Q4_K, 4 Q6_K) [N, row bytes] -> panels", nogil);
   m.def("unpack_q", &unpack_q, "block-quantized panels -> float32 [n, K]", nogil);
   m.def("gemm_q", &gemm_q, "x [M, K] @ W^T from block-quantized panels -> [M, n]", nogil, py::arg("x"), py::arg("wq"),
         py::arg("n"), py::arg("fmt"), py::arg("isa_override") = -1, py::arg("fused_rows") = -1);
