@@ -109,13 +109,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--batches", default="1,8,32,64,128")
+    ap.add_argument("--matmul-dtype", default="auto", choices=["auto", "int8"],
+                    help="int8: the engine in --matmul-dtype int8 mode, with ceilings at the int8 dot products' "
+                         "measured rate beside the fp32 ones (its own section)")
     a = ap.parse_args(argv)
 
     from batchserve.llm import LLM
 
-    llm = LLM(kv_cache_gb=2.0, max_num_seqs=64, max_num_batched_tokens=2048)
+    int8 = a.matmul_dtype == "int8"
+    llm = LLM(kv_cache_gb=2.0, max_num_seqs=64, max_num_batched_tokens=2048, matmul_dtype=a.matmul_dtype)
     runner, cfg = llm.engine.executor, llm.engine.executor.cfg
     mach = measure_machine(cfg)
+    mach8 = measure_machine(cfg, dtype=torch.int8) if int8 else None
     qm = runner.model.quantized_matrices
     wbytes = stored_weight_bytes(runner.model)
     fp32_bytes = 4 * (linear_params(cfg) + cfg.vocab_size * cfg.hidden_size)  # what the fp32 ceiling counts
@@ -125,12 +130,17 @@ def main(argv: list[str] | None = None) -> None:
              + f" GFLOP/s (peak {mach.peak_gflops:.0f}; the best of "
              + "; ".join(f"{b}: " + ", ".join(f"{r:.0f}" for r in by_m.values())
                          for b, by_m in (mach.by_backend or {}).items())
-             + f"); memory {mach.bandwidth_gbs:.1f} GB/s. The model runs on {runner.model.linear_backend}"
+             + f"); memory {mach.bandwidth_gbs:.1f} GB/s."
+             + (f" Int8 dot products on Q4_1 blocks at the model's shapes: "
+                + ", ".join(f"M={m}: {r:.0f}" for m, r in mach8.matmul_gflops.items())
+                + f" GOP/s (peak {mach8.peak_gflops:.0f})." if int8 else "")
+             + f" The model runs on {runner.model.linear_backend}"
              + (f", {qm} of its matrices from their GGUF blocks ({wbytes / 1e6:.0f} MB read per decode step "
                 f"against {fp32_bytes / 1e6:.0f} MB as float32)" if qm else "") + ".", "",
              "| decode batch (ctx 128) | step ms | linear ms | step/linear | tok/s | ceiling tok/s (fp32 weights) "
-             "| % of ceiling |" + (" ceiling tok/s (stored weights) | % of it |" if qm else ""),
-             "|---|---|---|---|---|---|---|" + ("---|---|" if qm else "")]
+             "| % of ceiling |" + (" ceiling tok/s (stored weights) | % of it |" if qm else "")
+             + (" ceiling tok/s (int8 rate, stored weights) | % of it |" if int8 else ""),
+             "|---|---|---|---|---|---|---|" + ("---|---|" if qm else "") + ("---|---|" if int8 else "")]
     kv = KVCacheManager(runner.num_blocks, runner.block_size)
     for b in [int(x) for x in a.batches.split(",")]:
         batch = decode_batch(kv, b, 128)
@@ -140,7 +150,10 @@ def main(argv: list[str] | None = None) -> None:
         own = decode_ceiling(cfg, mach, b, 128, weight_bytes=wbytes)
         lines.append(f"| {b} | {step * 1e3:.1f} | {lin * 1e3:.1f} | {step / lin:.2f} | {b / step:.0f} | "
                      f"{ceil:.0f} | {100 * b / step / ceil:.0f}% |"
-                     + (f" {own:.0f} | {100 * b / step / own:.0f}% |" if qm else ""))
+                     + (f" {own:.0f} | {100 * b / step / own:.0f}% |" if qm else "")
+                     + (f" {decode_ceiling(cfg, mach8, b, 128, weight_bytes=wbytes):.0f} | "
+                        f"{100 * b / step / decode_ceiling(cfg, mach8, b, 128, weight_bytes=wbytes):.0f}% |"
+                        if int8 else ""))
         for i in range(b):
             kv.free(f"d{i}")
     for plen, nseq in ((512, 1), (256, 4)):
@@ -151,8 +164,10 @@ def main(argv: list[str] | None = None) -> None:
                                      True, GREEDY, 0))
         t = median_time(lambda: runner.execute(ScheduledBatch(seqs)), 3)
         rate, ceil = plen * nseq / t, prefill_ceiling(cfg, mach, plen)
+        c8 = prefill_ceiling(cfg, mach8, plen) if int8 else 0.0
         lines.append(f"\nPrefill {nseq} x {plen} tokens: {t * 1e3:.0f} ms, {rate:.0f} tok/s; ceiling "
-                     f"{ceil:.0f} tok/s ({100 * rate / ceil:.0f}%).")
+                     f"{ceil:.0f} tok/s ({100 * rate / ceil:.0f}%)"
+                     + (f"; at the int8 rate {c8:.0f} tok/s ({100 * rate / c8:.0f}%)" if int8 else "") + ".")
         for i in range(nseq):
             kv.free(f"p{i}")
 
@@ -170,7 +185,9 @@ def main(argv: list[str] | None = None) -> None:
     # The run's floor: its prompt tokens cannot go faster than the prefill ceiling, nor its output
     # tokens than the decode ceiling at the batch it runs at; a decode-only ceiling ignores the former.
     ptoks = sum(len(p) for p, _ in work)
-    floor_s = ptoks / prefill_ceiling(cfg, mach, round(ptoks / len(work))) + res["tokens"] / own
+    fm = mach8 if int8 else mach  # the rate of the arithmetic the engine runs
+    own = decode_ceiling(cfg, fm, max(1, round(res["mean_batch"])), 200 + 64, weight_bytes=wbytes)
+    floor_s = ptoks / prefill_ceiling(cfg, fm, round(ptoks / len(work))) + res["tokens"] / own
     lines.append(f"\nThat run's own floor: its {ptoks} prompt tokens at the prefill ceiling plus its output tokens at "
                  f"the decode ceiling at its batch = {floor_s:.1f} s, at most {res['tokens'] / floor_s:.0f} output tok/s "
                  f"({100 * res['tokens'] / floor_s / ceil:.0f}% of the decode-only ceiling above); the run takes "
@@ -187,11 +204,13 @@ def main(argv: list[str] | None = None) -> None:
                      f"-> {ours['tok_s'] / hf['static_tok_s']:.1f}x.")
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     body = "\n".join(lines)
-    report = (f"## Foundation: decode, prefill, offline throughput\n\nCommand: `python -m "
-              f"batchserve.bench.foundation{' --skip-hf' if a.skip_hf else ''}`, {stamp}.\n\n{body}\n")
+    head = "## Foundation, --matmul-dtype int8:" if int8 else "## Foundation:"
+    report = (f"{head} decode, prefill, offline throughput\n\nCommand: `python -m "
+              f"batchserve.bench.foundation{' --skip-hf' if a.skip_hf else ''}"
+              f"{' --matmul-dtype int8' if int8 else ''}`, {stamp}.\n\n{body}\n")
     print(report)
     if a.out:
-        write_section(a.out, "## Foundation:", report)
+        write_section(a.out, head, report)
 
 
 def publish(text: str, out: str | None, heading: str) -> int:

@@ -50,7 +50,10 @@ class Machine:
 
 
 def matmul_backends(dtype: torch.dtype) -> list[str]:
-    """The matrix-product paths that run here for weights of `dtype` (F.linear when none does)."""
+    """The matrix-product paths that run here for weights of `dtype` (F.linear when none does;
+    int8: the C++ GEMM's int8 dot products on GGUF blocks, or none)."""
+    if dtype == torch.int8:
+        return ["cpp-int8"] if cpp_linear_ok(torch.zeros(1)) else []
     cpp = cpp_bf16_ok() if dtype == torch.bfloat16 else cpp_linear_ok(torch.zeros(1, dtype=dtype))
     out = [b for b, ok in (("cpp", cpp), ("onednn", onednn_linear_ok(torch.zeros(1)))) if ok]
     return out or ["torch"]
@@ -62,15 +65,19 @@ def measure_machine(cfg: LlamaConfig, rows: tuple[int, ...] = (1, 8, 32, 64, 128
     distinct tensors, so the weights stream from memory as in a real step) for M rows, on each
     backend that runs here, the best of them kept per M (the peak is the best overall); and
     memory bandwidth (a read of a buffer far larger than any cache). `dtype`: of the weights
-    and activations (bfloat16: the rate the --matmul-dtype bfloat16 mode can reach)."""
+    and activations (bfloat16: the rate the --matmul-dtype bfloat16 mode can reach; int8: the
+    --matmul-dtype int8 mode's, on random Q4_1 blocks, float32 activations quantized per call)."""
     shapes = layer_shapes(cfg)
-    dense = [[torch.randn(o, i).to(dtype) for i, o in shapes] for _ in range(cfg.num_layers)]
+    int8 = dtype == torch.int8
+    dense = [] if int8 else [[torch.randn(o, i).to(dtype) for i, o in shapes] for _ in range(cfg.num_layers)]
     by_backend: dict[str, dict[int, float]] = {}
     with torch.inference_mode():
         for backend in matmul_backends(dtype):
-            weights = [[Linear(w, backend) for w in layer] for layer in dense]
+            weights = ([[Linear.from_blocks(random_q4_1(o, i), 0, int8=True) for i, o in shapes]
+                        for _ in range(cfg.num_layers)] if int8
+                       else [[Linear(w, backend) for w in layer] for layer in dense])
             for m in rows:
-                xs = [torch.randn(m, i).to(dtype) for i, _ in shapes]
+                xs = [torch.randn(m, i).to(torch.float32 if int8 else dtype) for i, _ in shapes]
 
                 def run() -> None:
                     for layer in weights:
@@ -87,6 +94,17 @@ def measure_machine(cfg: LlamaConfig, rows: tuple[int, ...] = (1, 8, 32, 64, 128
         t = median_time(lambda: big.sum(), reps)
     bw = big.numel() * 4 / t / 1e9
     return Machine(rates, max(rates.values()), bw, torch.get_num_threads(), by_backend)
+
+
+def random_q4_1(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """Q4_1 blocks of an [n, k] matrix as a GGUF file stores them (uint8 [n, k / 32 * 20]):
+    random quants, weight-sized fp16 scales and minimums (for timing: values don't matter, but
+    no infinities or denormals)."""
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (n, k // 32, 20), dtype=torch.uint8, generator=g)
+    raw[:, :, 0:2] = torch.full((n, k // 32), 0.01, dtype=torch.float16).view(torch.uint8).view(n, k // 32, 2)
+    raw[:, :, 2:4] = torch.full((n, k // 32), -0.08, dtype=torch.float16).view(torch.uint8).view(n, k // 32, 2)
+    return raw.view(n, -1)
 
 
 def decode_ceiling(cfg: LlamaConfig, mach: Machine, batch: int, ctx: int, elem: int = 4,

@@ -42,8 +42,9 @@ class ModelRunner:
         blocks = loaded.quantized if model_cfg.quantized_weights == "auto" else None
         self.model = LlamaModel(loaded.config, loaded.weights, model_cfg.linear_backend, mm, fused, blocks)
         if self.model.quantized_matrices:
-            log.info("weights: %d matrices multiplied from their GGUF blocks (C++ GEMM)",
-                     self.model.quantized_matrices)
+            log.info("weights: %d matrices multiplied from their GGUF blocks (C++ GEMM)%s",
+                     self.model.quantized_matrices,
+                     f", {self.model.int8_matrices} of them as int8 dot products" if mm == torch.int8 else "")
         self.dtype = self.model.embed.dtype
         self.block_size = cache_cfg.block_size
         per_block = kv_bytes_per_block(self.cfg, self.block_size, self.kv_dtype)
