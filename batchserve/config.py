@@ -34,8 +34,8 @@ class ModelConfig:
     linear_backend: str = "auto"  # auto: C++ panel GEMM on AVX-512, else oneDNN where it runs; cpp; onednn; torch
     # auto: the matrix products in `dtype`; bfloat16 with dtype float32: the decoder layers' products
     # in bf16 (half the weight bytes; where the CPU has bf16 instructions, faster), all else float32;
-    # int8: a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 matrices multiply activations quantized to int8 per
-    # 32 k into their integer quants (AVX512-VNNI; llama.cpp's scheme), ~2.5x the float32 rate
+    # int8 / int16: a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 matrices multiply activations quantized to
+    # int8 / int16 per 32 k into their integer quants (AVX512-VNNI; int8 is llama.cpp's scheme)
     matmul_dtype: str = "auto"
     # auto: a GGUF file's Q4_0 / Q4_1 / Q4_K / Q6_K / Q8_0 matrices stay in their blocks and the
     # C++ GEMM multiplies from them (CPU, float32 activations): the same products as the
@@ -51,12 +51,13 @@ class ModelConfig:
                f"must be auto, torch or cpp, got {self.attention_backend!r}")
         _check(self.linear_backend in ("auto", "cpp", "onednn", "torch"), "linear_backend",
                f"must be auto, cpp, onednn or torch, got {self.linear_backend!r}")
-        _check(self.matmul_dtype in ("auto", self.dtype, "bfloat16", "int8"), "matmul_dtype",
-               f"must be auto, {self.dtype!r}, bfloat16 or int8 (with dtype float32), got {self.matmul_dtype!r}")
+        _check(self.matmul_dtype in ("auto", self.dtype, "bfloat16", "int8", "int16"), "matmul_dtype",
+               f"must be auto, {self.dtype!r}, bfloat16, int8 or int16 (with dtype float32), got {self.matmul_dtype!r}")
         _check(self.quantized_weights in ("auto", "off"), "quantized_weights",
                f"must be auto or off, got {self.quantized_weights!r}")
-        _check(self.matmul_dtype != "int8" or (self.dtype == "float32" and self.quantized_weights == "auto"),
-               "matmul_dtype", "int8 matrix products multiply a GGUF file's blocks: they need dtype float32 and "
+        _check(self.matmul_dtype not in ("int8", "int16")
+               or (self.dtype == "float32" and self.quantized_weights == "auto"),
+               "matmul_dtype", "integer matrix products multiply a GGUF file's blocks: they need dtype float32 and "
                f"quantized_weights auto, got dtype {self.dtype!r}, quantized_weights {self.quantized_weights!r}")
         _check(self.matmul_dtype != "bfloat16" or self.dtype in ("float32", "bfloat16"), "matmul_dtype",
                f"bfloat16 matrix products need dtype float32 or bfloat16, got dtype {self.dtype!r}")

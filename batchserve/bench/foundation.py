@@ -109,18 +109,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--batches", default="1,8,32,64,128")
-    ap.add_argument("--matmul-dtype", default="auto", choices=["auto", "int8"],
-                    help="int8: the engine in --matmul-dtype int8 mode, with ceilings at the int8 dot products' "
-                         "measured rate beside the fp32 ones (its own section)")
+    ap.add_argument("--matmul-dtype", default="auto", choices=["auto", "int8", "int16"],
+                    help="int8 / int16: the engine in that --matmul-dtype mode, with ceilings at its integer dot "
+                         "products' measured rate beside the fp32 ones (its own section)")
     a = ap.parse_args(argv)
 
     from batchserve.llm import LLM
 
-    int8 = a.matmul_dtype == "int8"
+    integer = a.matmul_dtype in ("int8", "int16")  # an integer mode
+    mmd = a.matmul_dtype
     llm = LLM(kv_cache_gb=2.0, max_num_seqs=64, max_num_batched_tokens=2048, matmul_dtype=a.matmul_dtype)
     runner, cfg = llm.engine.executor, llm.engine.executor.cfg
     mach = measure_machine(cfg)
-    mach8 = measure_machine(cfg, dtype=torch.int8) if int8 else None
+    mach8 = measure_machine(cfg, dtype=getattr(torch, mmd)) if integer else None
     qm = runner.model.quantized_matrices
     wbytes = stored_weight_bytes(runner.model)
     fp32_bytes = 4 * (linear_params(cfg) + cfg.vocab_size * cfg.hidden_size)  # what the fp32 ceiling counts
@@ -131,16 +132,16 @@ def main(argv: list[str] | None = None) -> None:
              + "; ".join(f"{b}: " + ", ".join(f"{r:.0f}" for r in by_m.values())
                          for b, by_m in (mach.by_backend or {}).items())
              + f"); memory {mach.bandwidth_gbs:.1f} GB/s."
-             + (f" Int8 dot products on Q4_1 blocks at the model's shapes: "
+             + (f" {mmd} dot products on Q4_1 blocks at the model's shapes: "
                 + ", ".join(f"M={m}: {r:.0f}" for m, r in mach8.matmul_gflops.items())
-                + f" GOP/s (peak {mach8.peak_gflops:.0f})." if int8 else "")
+                + f" GOP/s (peak {mach8.peak_gflops:.0f})." if integer else "")
              + f" The model runs on {runner.model.linear_backend}"
              + (f", {qm} of its matrices from their GGUF blocks ({wbytes / 1e6:.0f} MB read per decode step "
                 f"against {fp32_bytes / 1e6:.0f} MB as float32)" if qm else "") + ".", "",
              "| decode batch (ctx 128) | step ms | linear ms | step/linear | tok/s | ceiling tok/s (fp32 weights) "
              "| % of ceiling |" + (" ceiling tok/s (stored weights) | % of it |" if qm else "")
-             + (" ceiling tok/s (int8 rate, stored weights) | % of it |" if int8 else ""),
-             "|---|---|---|---|---|---|---|" + ("---|---|" if qm else "") + ("---|---|" if int8 else "")]
+             + (f" ceiling tok/s ({mmd} rate, stored weights) | % of it |" if integer else ""),
+             "|---|---|---|---|---|---|---|" + ("---|---|" if qm else "") + ("---|---|" if integer else "")]
     kv = KVCacheManager(runner.num_blocks, runner.block_size)
     for b in [int(x) for x in a.batches.split(",")]:
         batch = decode_batch(kv, b, 128)
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
                      + (f" {own:.0f} | {100 * b / step / own:.0f}% |" if qm else "")
                      + (f" {decode_ceiling(cfg, mach8, b, 128, weight_bytes=wbytes):.0f} | "
                         f"{100 * b / step / decode_ceiling(cfg, mach8, b, 128, weight_bytes=wbytes):.0f}% |"
-                        if int8 else ""))
+                        if integer else ""))
         for i in range(b):
             kv.free(f"d{i}")
     for plen, nseq in ((512, 1), (256, 4)):
@@ -164,10 +165,10 @@ def main(argv: list[str] | None = None) -> None:
                                      True, GREEDY, 0))
         t = median_time(lambda: runner.execute(ScheduledBatch(seqs)), 3)
         rate, ceil = plen * nseq / t, prefill_ceiling(cfg, mach, plen)
-        c8 = prefill_ceiling(cfg, mach8, plen) if int8 else 0.0
+        c8 = prefill_ceiling(cfg, mach8, plen) if integer else 0.0
         lines.append(f"\nPrefill {nseq} x {plen} tokens: {t * 1e3:.0f} ms, {rate:.0f} tok/s; ceiling "
                      f"{ceil:.0f} tok/s ({100 * rate / ceil:.0f}%)"
-                     + (f"; at the int8 rate {c8:.0f} tok/s ({100 * rate / c8:.0f}%)" if int8 else "") + ".")
+                     + (f"; at the {mmd} rate {c8:.0f} tok/s ({100 * rate / c8:.0f}%)" if integer else "") + ".")
         for i in range(nseq):
             kv.free(f"p{i}")
 
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     # The run's floor: its prompt tokens cannot go faster than the prefill ceiling, nor its output
     # tokens than the decode ceiling at the batch it runs at; a decode-only ceiling ignores the former.
     ptoks = sum(len(p) for p, _ in work)
-    fm = mach8 if int8 else mach  # the rate of the arithmetic the engine runs
+    fm = mach8 if integer else mach  # the rate of the arithmetic the engine runs
     own = decode_ceiling(cfg, fm, max(1, round(res["mean_batch"])), 200 + 64, weight_bytes=wbytes)
     floor_s = ptoks / prefill_ceiling(cfg, fm, round(ptoks / len(work))) + res["tokens"] / own
     lines.append(f"\nThat run's own floor: its {ptoks} prompt tokens at the prefill ceiling plus its output tokens at "
@@ -204,10 +205,10 @@ def main(argv: list[str] | None = None) -> None:
                      f"-> {ours['tok_s'] / hf['static_tok_s']:.1f}x.")
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     body = "\n".join(lines)
-    head = "## Foundation, --matmul-dtype int8:" if int8 else "## Foundation:"
+    head = f"## Foundation, --matmul-dtype {mmd}:" if integer else "## Foundation:"
     report = (f"{head} decode, prefill, offline throughput\n\nCommand: `python -m "
               f"batchserve.bench.foundation{' --skip-hf' if a.skip_hf else ''}"
-              f"{' --matmul-dtype int8' if int8 else ''}`, {stamp}.\n\n{body}\n")
+              f"{' --matmul-dtype ' + mmd if integer else ''}`, {stamp}.\n\n{body}\n")
     print(report)
     if a.out:
         write_section(a.out, head, report)

@@ -11,8 +11,8 @@ variants interleaved in one process:
   the default where the CPU has AVX-512;
 - GGUF Q4_1 / Q8_0 blocks (Q4_0 and Q4_K files use the Q4_1 panels) multiplied by the same C++ GEMM, expanded to fp32 in registers
   (`--quantized-weights auto`, the default for such files: 0.75 / 1.125 bytes a weight);
-- the same blocks times activations quantized to int8 per 32 k, integer dot products
-  (`--matmul-dtype int8`, AVX512-VNNI; the quantization of x is inside the timed call);
+- the same blocks times activations quantized to int16 or int8 per 32 k, integer dot products
+  (`--matmul-dtype int16 / int8`, AVX512-VNNI; the quantization of x is inside the timed call);
 - fp32 oneDNN linear on weights packed once (`runner/models/llama.Linear`) — the default before
   the panel GEMM, and where it has no AVX-512 path;
 - fp32 `x @ Wt` with W stored transposed [in, out];
@@ -68,9 +68,10 @@ def variants(cfg: LlamaConfig, m: int) -> dict[str, object]:
             name = f"GGUF {kind} blocks, C++ GEMM, fp32 math" + (" (model default for Q4_1 files)" if fmt == 0 else "")
             out[name] = lambda ql=ql: [lin(x) for layer in ql for x, lin in zip(xs, layer)]
             raws = [[torch.from_numpy(gguf.quantize(w.numpy(), qt)) for w in layer] for layer in w32]
-            il = [[Linear.from_blocks(r, fmt, int8=True) for r in layer] for layer in raws]
-            out[f"GGUF {kind} blocks x int8 activations (--matmul-dtype int8, VNNI)"] = lambda il=il: [
-                lin(x) for layer in il for x, lin in zip(xs, layer)]
+            for bits in (16, 8):
+                il = [[Linear.from_blocks(r, fmt, act_bits=bits) for r in layer] for layer in raws]
+                out[f"GGUF {kind} blocks x int{bits} activations (--matmul-dtype int{bits}, VNNI)"] = lambda il=il: [
+                    lin(x) for layer in il for x, lin in zip(xs, layer)]
     wt = [[w.t().contiguous() for w in layer] for layer in w32]
     out["fp32 x @ W^T stored transposed"] = lambda: [x @ w for layer in wt for x, w in zip(xs, layer)]
     try:

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from batchserve.runner.models.llama import Linear, LlamaConfig, cpp_bf16_ok, cpp_linear_ok, onednn_linear_ok
+from batchserve.runner.models.llama import (INT_MATMUL, Linear, LlamaConfig, cpp_bf16_ok, cpp_linear_ok,
+                                            onednn_linear_ok)
 
 
 def median_time(fn, reps: int) -> float:
@@ -51,9 +52,9 @@ class Machine:
 
 def matmul_backends(dtype: torch.dtype) -> list[str]:
     """The matrix-product paths that run here for weights of `dtype` (F.linear when none does;
-    int8: the C++ GEMM's int8 dot products on GGUF blocks, or none)."""
-    if dtype == torch.int8:
-        return ["cpp-int8"] if cpp_linear_ok(torch.zeros(1)) else []
+    int8 / int16: the C++ GEMM's integer dot products on GGUF blocks, or none)."""
+    if dtype in INT_MATMUL:
+        return [f"cpp-{str(dtype).split('.')[-1]}"] if cpp_linear_ok(torch.zeros(1)) else []
     cpp = cpp_bf16_ok() if dtype == torch.bfloat16 else cpp_linear_ok(torch.zeros(1, dtype=dtype))
     out = [b for b, ok in (("cpp", cpp), ("onednn", onednn_linear_ok(torch.zeros(1)))) if ok]
     return out or ["torch"]
@@ -65,19 +66,20 @@ def measure_machine(cfg: LlamaConfig, rows: tuple[int, ...] = (1, 8, 32, 64, 128
     distinct tensors, so the weights stream from memory as in a real step) for M rows, on each
     backend that runs here, the best of them kept per M (the peak is the best overall); and
     memory bandwidth (a read of a buffer far larger than any cache). `dtype`: of the weights
-    and activations (bfloat16: the rate the --matmul-dtype bfloat16 mode can reach; int8: the
-    --matmul-dtype int8 mode's, on random Q4_1 blocks, float32 activations quantized per call)."""
+    and activations (bfloat16: the rate the --matmul-dtype bfloat16 mode can reach; int8 / int16:
+    that --matmul-dtype mode's, on random Q4_1 blocks, float32 activations quantized per call)."""
     shapes = layer_shapes(cfg)
-    int8 = dtype == torch.int8
-    dense = [] if int8 else [[torch.randn(o, i).to(dtype) for i, o in shapes] for _ in range(cfg.num_layers)]
+    bits = INT_MATMUL.get(dtype, 0)
+    integer = bits > 0  # GGUF blocks, float32 activations in
+    dense = [] if integer else [[torch.randn(o, i).to(dtype) for i, o in shapes] for _ in range(cfg.num_layers)]
     by_backend: dict[str, dict[int, float]] = {}
     with torch.inference_mode():
         for backend in matmul_backends(dtype):
-            weights = ([[Linear.from_blocks(random_q4_1(o, i), 0, int8=True) for i, o in shapes]
-                        for _ in range(cfg.num_layers)] if int8
+            weights = ([[Linear.from_blocks(random_q4_1(o, i), 0, act_bits=bits) for i, o in shapes]
+                        for _ in range(cfg.num_layers)] if integer
                        else [[Linear(w, backend) for w in layer] for layer in dense])
             for m in rows:
-                xs = [torch.randn(m, i).to(torch.float32 if int8 else dtype) for i, _ in shapes]
+                xs = [torch.randn(m, i).to(torch.float32 if integer else dtype) for i, _ in shapes]
 
                 def run() -> None:
                     for layer in weights:

@@ -1,7 +1,7 @@
 """Hot-path variants side by side, in one process: the elementwise work per layer in PyTorch
 ops vs the C++ fused ops, the GGUF file's blocks vs weights dequantized at load (`--quantized-weights off`),
 the C++ panel GEMM vs oneDNN for the float32 products, float32 vs bfloat16 matrix products (`--matmul-dtype bfloat16`) and
-KV cache (`--kv-cache-dtype bfloat16`), int8 dot products on the GGUF blocks (`--matmul-dtype int8`), with each
+KV cache (`--kv-cache-dtype bfloat16`), integer dot products on the GGUF blocks (`--matmul-dtype int16 / int8`), with each
 variant's output quality against float32.
 
     python -m batchserve.bench.variants --out BENCHMARKS.md      # about 5 minutes, quiet machine
@@ -105,6 +105,8 @@ VARIANTS = {  # name -> LLM options (the fp32 default first: everything is compa
     "fp32 + bf16 KV cache": {"kv_cache_dtype": "bfloat16"},
     "bf16 matmul": {"matmul_dtype": "bfloat16"},
     "bf16 matmul + bf16 KV cache": {"matmul_dtype": "bfloat16", "kv_cache_dtype": "bfloat16"},
+    "int16 matmul (GGUF blocks x int16 activations)": {"matmul_dtype": "int16"},
+    "int16 matmul + bf16 KV cache": {"matmul_dtype": "int16", "kv_cache_dtype": "bfloat16"},
     "int8 matmul (GGUF blocks x int8 activations)": {"matmul_dtype": "int8"},
     "int8 matmul + bf16 KV cache": {"matmul_dtype": "int8", "kv_cache_dtype": "bfloat16"},
 }
@@ -146,17 +148,17 @@ def main(argv: list[str] | None = None) -> int:
     cfg = base.engine.executor.cfg
     mach = measure_machine(cfg)
     mach16 = measure_machine(cfg, dtype=torch.bfloat16)
-    mach8 = measure_machine(cfg, dtype=torch.int8)
+    mach_int = {mm: measure_machine(cfg, dtype=getattr(torch, mm)) for mm in ("int8", "int16")}
 
     def own_ceiling(k: str, b: int, c: int) -> float:
-        """The ceiling of the variant's own dtypes: bf16 or int8 matmul rate, weight bytes, KV bytes."""
+        """The ceiling of the variant's own dtypes: bf16 / int8 / int16 matmul rate, weight bytes, KV bytes."""
         kw = VARIANTS.get(k, {})
         kv = 2 if kw.get("kv_cache_dtype") == "bfloat16" else 4
         if kw.get("matmul_dtype") == "bfloat16":
             return decode_ceiling(cfg, mach16, b, c, elem=kv, w_elem=2)
         model = runners[k].model
         stored = stored_weight_bytes(model) if model.quantized_matrices else None
-        return decode_ceiling(cfg, mach8 if kw.get("matmul_dtype") == "int8" else mach, b, c, elem=kv, w_elem=4,
+        return decode_ceiling(cfg, mach_int.get(kw.get("matmul_dtype"), mach), b, c, elem=kv, w_elem=4,
                               weight_bytes=stored)
 
     cases = [tuple(int(x) for x in c.split("x")) for c in a.cases.split(",")]
@@ -166,9 +168,9 @@ def main(argv: list[str] | None = None) -> int:
             "| fp32 ceiling tok/s | " + " | ".join(f"{decode_ceiling(cfg, mach, b, c):.0f}" for b, c in cases) + " |",
             "| bf16-matmul + bf16-KV ceiling tok/s | "
             + " | ".join(f"{decode_ceiling(cfg, mach16, b, c, elem=2, w_elem=2):.0f}" for b, c in cases) + " |",
-            "| int8-matmul ceiling tok/s (GGUF blocks, fp32 KV) | "
-            + " | ".join(f"{decode_ceiling(cfg, mach8, b, c, weight_bytes=stored_weight_bytes(base.engine.executor.model)):.0f}"
-                         for b, c in cases) + " |"]
+            *(f"| {mm}-matmul ceiling tok/s (GGUF blocks, fp32 KV) | "
+              + " | ".join(f"{decode_ceiling(cfg, mi, b, c, weight_bytes=stored_weight_bytes(base.engine.executor.model)):.0f}"
+                           for b, c in cases) + " |" for mm, mi in mach_int.items())]
     for k in runners:
         cells = []
         for (b, c) in cases:
@@ -180,10 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"`python -m batchserve.bench.variants`, {datetime.datetime.now():%Y-%m-%d %H:%M}; "
              f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
              f"{torch.get_num_threads()} threads; fp32 matmul peak at the model's shapes "
-             f"{mach.peak_gflops:.0f} GFLOP/s (bf16 {mach16.peak_gflops:.0f}, int8 dot products on Q4_1 blocks "
-             f"{mach8.peak_gflops:.0f}), memory {mach.bandwidth_gbs:.1f} GB/s.",
+             f"{mach.peak_gflops:.0f} GFLOP/s (bf16 {mach16.peak_gflops:.0f}; dot products on Q4_1 blocks: int8 "
+             f"{mach_int['int8'].peak_gflops:.0f}, int16 {mach_int['int16'].peak_gflops:.0f}), memory {mach.bandwidth_gbs:.1f} GB/s.",
              "", "Decode step time, tokens/s, and share of the fp32 ceiling / of the ceiling for the variant's own "
-             "dtypes (bf16 or int8 matmul rate, weight bytes as stored, KV bytes); medians of 7, variants alternating:", "",
+             "dtypes (bf16 / int8 / int16 matmul rate, weight bytes as stored, KV bytes); medians of 7, variants alternating:", "",
              *rows]
     if a.requests:
         work = offline_workload(a.requests, 0, cfg.vocab_size)

@@ -44,7 +44,8 @@ class ModelRunner:
         if self.model.quantized_matrices:
             log.info("weights: %d matrices multiplied from their GGUF blocks (C++ GEMM)%s",
                      self.model.quantized_matrices,
-                     f", {self.model.int8_matrices} of them as int8 dot products" if mm == torch.int8 else "")
+                     f", {self.model.int_matrices} of them as integer dot products ({model_cfg.matmul_dtype} "
+                     "activations)" if self.model.int_matrices else "")
         self.dtype = self.model.embed.dtype
         self.block_size = cache_cfg.block_size
         per_block = kv_bytes_per_block(self.cfg, self.block_size, self.kv_dtype)

@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -587,26 +588,30 @@ torch::Tensor gemm_q(torch::Tensor x, torch::Tensor wq, int64_t n, int64_t fmt, 
 
 namespace {
 
-// ---- int8 dot products: the blocks' integer quants times activations quantized to int8 --------
-// (--matmul-dtype int8.) Each row of x is quantized per block of 32 k to int8 with a scale
-// da = max|x| / 127 (round to nearest even), and the block's quant sum s is kept as sa = da * s.
-// A weight of the block is d*u + m with u an unsigned quant (Q4_1/Q4_0/Q4_K: 0..15; Q8_0: q+128
-// with m = -128 d), so a block contributes
+// ---- integer dot products: the blocks' quants times activations quantized to int8 or int16 -----
+// (--matmul-dtype int8 / int16.) Each row of x is quantized per block of 32 k to BITS-bit
+// integers with a scale da = max|x| / (2^(BITS-1) - 1) (round half to even), and the block's
+// quant sum s is kept as sa = da * s. A weight of the block is d*u + m with u an unsigned quant
+// (Q4_1/Q4_0/Q4_K: 0..15; Q8_0: q+128 with m = -128 d), so a block contributes
 //     sum_k x[k] w[k] ~ (d * da) * sum_k u[k] a[k]  +  m * sa,
-// the integer sum exact in int32 (AVX512-VNNI's vpdpbusd: 64 u8 x s8 products per instruction,
-// four times an fp32 FMA's). Only x's rounding to int8 differs from the float32 path: the same
-// scheme as llama.cpp's CPU kernels.
+// the integer sum exact in int32. AVX512-VNNI does it: int8 with vpdpbusd (64 byte products per
+// instruction, four times an fp32 FMA's), int16 with vpdpwssd (32 word products, twice). Only x's
+// rounding differs from the float32 path: int8 is llama.cpp's CPU scheme (its Q8_1
+// activations); int16 rounds 256 times finer, close to float32's output.
 //
-// Panel block layout: float d[32], then (Q4) float m[32]; then the quants for vpdpbusd: per group
-// of 4 k and per 16-column half, 64 bytes = 16 columns x 4 k. Q4 puts k-groups 2g and 2g+1 in
-// the low and high nibbles of one 64-byte vector (512 bytes in all); Q8 stores u8 bytes (1024).
-enum I8Fmt : int64_t { kI8Q4 = 0, kI8Q8 = 1 };
-constexpr int64_t I8_Q4_BYTES = 2 * NB * 4 + QB * NB / 2;  // 768 per panel block
-constexpr int64_t I8_Q8_BYTES = NB * 4 + QB * NB;          // 1152
-constexpr int MRI8 = 6;                                     // rows per tile (12 int32 + 12 fp32 sums)
+// Panel block layout: float d[32], then (Q4) float m[32]; then the quants as the instruction
+// reads them, per 16-column half (h):
+//   int8:  per group of 4 k, 64 bytes = 16 columns x 4 k; Q4 keeps k-groups 2g and 2g+1 in the
+//          low and high nibbles of one 64-byte vector (512 bytes in all), Q8 one byte each (1024).
+//   int16: per pair of k, 16 columns x 2 k, widened to words on load; Q4 keeps k-pairs 2p and
+//          2p+1 in the low and high nibbles of 32 bytes (512 in all), Q8 one byte each (1024).
+enum IFmt : int64_t { kIQ4 = 0, kIQ8 = 1 };
+constexpr int64_t IQ4_BYTES = 2 * NB * 4 + QB * NB / 2;  // 768 per panel block
+constexpr int64_t IQ8_BYTES = NB * 4 + QB * NB;          // 1152
+constexpr int MRI = 6;                                    // rows per tile (12 int32 + 12 fp32 sums)
 
-constexpr int64_t i8_block_bytes(int64_t f) { return f == kI8Q4 ? I8_Q4_BYTES : I8_Q8_BYTES; }
-constexpr int64_t i8_offset(int64_t f) { return (f == kI8Q4 ? 2 : 1) * NB * 4; }
+constexpr int64_t int_block_bytes(int64_t f) { return f == kIQ4 ? IQ4_BYTES : IQ8_BYTES; }
+constexpr int64_t int_offset(int64_t f) { return (f == kIQ4 ? 2 : 1) * NB * 4; }
 
 bool cpu_has_vnni() {
   __builtin_cpu_init();
@@ -615,104 +620,140 @@ bool cpu_has_vnni() {
 }
 
 // Where quant (k e of the block, column j) lives in a panel block's quant bytes, and its shift.
-inline void i8_pos(I8Fmt f, int e, int j, int64_t& byte, int& shift) {
-  const int g = e / 4, h = j / 16, within = (j % 16) * 4 + e % 4;
-  if (f == kI8Q8) {
-    byte = (g * 2 + h) * 64 + within, shift = 0;
+inline void int_pos(IFmt f, int bits, int e, int j, int64_t& byte, int& shift) {
+  const int h = j / 16, jj = j % 16;
+  if (bits == 8) {
+    const int g = e / 4, within = jj * 4 + e % 4;
+    byte = f == kIQ8 ? (g * 2 + h) * 64 + within : ((g / 2) * 2 + h) * 64 + within;
+    shift = f == kIQ8 ? 0 : 4 * (g % 2);
   } else {
-    byte = ((g / 2) * 2 + h) * 64 + within, shift = 4 * (g % 2);
+    const int pair = e / 2, within = jj * 2 + e % 2;
+    byte = f == kIQ8 ? (pair * 2 + h) * 32 + within : ((pair / 2) * 2 + h) * 32 + within;
+    shift = f == kIQ8 ? 0 : 4 * (pair % 2);
   }
 }
 
-// x's rows quantized per block of 32 k: xq int8 [M, K], da and sa float [M, K/32].
-void quantize_row_block(const float* v, int8_t* q, float& da, float& sa) {
+template <int BITS>
+using act_t = std::conditional_t<BITS == 8, int8_t, int16_t>;
+template <int BITS>
+constexpr float act_max() { return BITS == 8 ? 127.f : 32767.f; }
+
+// One block of 32 of x's row -> BITS-bit quants, its scale da and sa = da * (sum of the quants).
+template <int BITS>
+void quantize_row_block(const float* v, act_t<BITS>* q, float& da, float& sa) {
   float amax = 0.f;
   for (int i = 0; i < QB; ++i) amax = std::max(amax, std::fabs(v[i]));
-  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  const float inv = amax > 0.f ? act_max<BITS>() / amax : 0.f;
   int sum = 0;
   for (int i = 0; i < QB; ++i) {
     const int t = static_cast<int>(std::nearbyint(v[i] * inv));
-    q[i] = static_cast<int8_t>(t);
+    q[i] = static_cast<act_t<BITS>>(t);
     sum += t;
   }
-  da = amax / 127.f;
+  da = amax / act_max<BITS>();
   sa = da * static_cast<float>(sum);
 }
 
-__attribute__((target("avx512f,avx512bw"))) void quantize_row_block512(const float* v, int8_t* q, float& da,
+template <int BITS>
+__attribute__((target("avx512f,avx512bw"))) void quantize_row_block512(const float* v, act_t<BITS>* q, float& da,
                                                                        float& sa) {
   const __m512 x0 = _mm512_loadu_ps(v), x1 = _mm512_loadu_ps(v + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-  const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  const __m512 inv = _mm512_set1_ps(amax > 0.f ? act_max<BITS>() / amax : 0.f);
   const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, inv));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(q0));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(q1));
-  da = amax / 127.f;
+  if constexpr (BITS == 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(q1));
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm512_cvtepi32_epi16(q0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16), _mm512_cvtepi32_epi16(q1));
+  }
+  da = amax / act_max<BITS>();
   sa = da * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
 }
 
-void quantize_rows(const float* x, int64_t M, int64_t K, bool vec, int8_t* xq, float* da, float* sa) {
+template <int BITS>
+void quantize_rows(const float* x, int64_t M, int64_t K, bool vec, act_t<BITS>* xq, float* da, float* sa) {
   const int64_t KB = K / QB;
   at::parallel_for(0, M * KB, 256, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {
       const int64_t r = i / KB, kb = i % KB;
-      (vec ? quantize_row_block512 : quantize_row_block)(x + r * K + kb * QB, xq + r * K + kb * QB, da[i], sa[i]);
+      (vec ? quantize_row_block512<BITS> : quantize_row_block<BITS>)(x + r * K + kb * QB, xq + r * K + kb * QB,
+                                                                       da[i], sa[i]);
     }
   });
 }
 
 // MR rows of quantized x against one panel: int32 sums per block, folded into fp32 sums with the
-// block's scales; the quants are loaded once per block for all MR rows.
-template <int MR, int F>
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_i8(const int8_t* __restrict xq, int64_t K,
-                                                                    const float* __restrict da,
-                                                                    const float* __restrict sa,
-                                                                    const uint8_t* __restrict wq, float* __restrict c,
-                                                                    int64_t ldc, int ncols) {
-  constexpr int64_t BYTES = i8_block_bytes(F);
+// block's scales; each quant vector is loaded (and widened) once per block for all MR rows.
+template <int MR, int F, int BITS>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_int(const act_t<BITS>* __restrict xq, int64_t K,
+                                                                     const float* __restrict da,
+                                                                     const float* __restrict sa,
+                                                                     const uint8_t* __restrict wq, float* __restrict c,
+                                                                     int64_t ldc, int ncols) {
+  constexpr int64_t BYTES = int_block_bytes(F);
   const int64_t KB = K / QB;
   __m512 c0[MR], c1[MR];
 #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) c0[r] = c1[r] = _mm512_setzero_ps();
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i low4 = BITS == 8 ? _mm512_set1_epi8(0x0F) : _mm512_set1_epi16(0x0F);
   for (int64_t kb = 0; kb < KB; ++kb) {
     const uint8_t* blk = wq + kb * BYTES;
-    const uint8_t* q = blk + i8_offset(F);
+    const uint8_t* q = blk + int_offset(F);
     const char* ahead = reinterpret_cast<const char*>(blk + PFQ * BYTES);
 #pragma GCC unroll 4
     for (int64_t i = 0; i < BYTES; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
-    const int8_t* xk = xq + kb * QB;
+    const act_t<BITS>* xk = xq + kb * QB;
     __m512i s0[MR], s1[MR];
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) s0[r] = s1[r] = _mm512_setzero_si512();
-#pragma GCC unroll 8
-    for (int g = 0; g < QB / 4; ++g) {
+    constexpr int STEPS = BITS == 8 ? QB / 4 : QB / 2;  // k-groups of 4 (int8) or pairs (int16)
+#pragma GCC unroll 16
+    for (int g = 0; g < STEPS; ++g) {
       __m512i w0, w1;
-      if (F == kI8Q4) {
-        const __m512i v0 = _mm512_loadu_si512(q + (g / 2) * 128), v1 = _mm512_loadu_si512(q + (g / 2) * 128 + 64);
-        w0 = g % 2 == 0 ? _mm512_and_si512(v0, low4) : _mm512_and_si512(_mm512_srli_epi16(v0, 4), low4);
-        w1 = g % 2 == 0 ? _mm512_and_si512(v1, low4) : _mm512_and_si512(_mm512_srli_epi16(v1, 4), low4);
+      if (BITS == 8) {
+        if (F == kIQ4) {
+          const __m512i v0 = _mm512_loadu_si512(q + (g / 2) * 128), v1 = _mm512_loadu_si512(q + (g / 2) * 128 + 64);
+          w0 = g % 2 == 0 ? _mm512_and_si512(v0, low4) : _mm512_and_si512(_mm512_srli_epi16(v0, 4), low4);
+          w1 = g % 2 == 0 ? _mm512_and_si512(v1, low4) : _mm512_and_si512(_mm512_srli_epi16(v1, 4), low4);
+        } else {
+          w0 = _mm512_loadu_si512(q + g * 128);
+          w1 = _mm512_loadu_si512(q + g * 128 + 64);
+        }
       } else {
-        w0 = _mm512_loadu_si512(q + g * 128);
-        w1 = _mm512_loadu_si512(q + g * 128 + 64);
+        const int64_t at = F == kIQ4 ? (g / 2) * 64 : g * 64;
+        const __m512i v0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + at)));
+        const __m512i v1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + at + 32)));
+        if (F == kIQ4) {
+          w0 = g % 2 == 0 ? _mm512_and_si512(v0, low4) : _mm512_srli_epi16(v0, 4);
+          w1 = g % 2 == 0 ? _mm512_and_si512(v1, low4) : _mm512_srli_epi16(v1, 4);
+        } else {
+          w0 = v0, w1 = v1;
+        }
       }
 #pragma GCC unroll 16
       for (int r = 0; r < MR; ++r) {
-        int32_t four;
-        std::memcpy(&four, xk + r * K + g * 4, 4);
-        const __m512i av = _mm512_set1_epi32(four);
-        s0[r] = _mm512_dpbusd_epi32(s0[r], w0, av);
-        s1[r] = _mm512_dpbusd_epi32(s1[r], w1, av);
+        int32_t both;  // 4 int8 or 2 int16 quants of x
+        std::memcpy(&both, xk + r * K + g * (BITS == 8 ? 4 : 2), 4);
+        const __m512i av = _mm512_set1_epi32(both);
+        if constexpr (BITS == 8) {
+          s0[r] = _mm512_dpbusd_epi32(s0[r], w0, av);
+          s1[r] = _mm512_dpbusd_epi32(s1[r], w1, av);
+        } else {
+          s0[r] = _mm512_dpwssd_epi32(s0[r], w0, av);
+          s1[r] = _mm512_dpwssd_epi32(s1[r], w1, av);
+        }
       }
     }
     const float* sc = reinterpret_cast<const float*>(blk);
     const __m512 d0 = _mm512_loadu_ps(sc), d1 = _mm512_loadu_ps(sc + 16);
-    const __m512 m0 = F == kI8Q4 ? _mm512_loadu_ps(sc + 32) : d0, m1 = F == kI8Q4 ? _mm512_loadu_ps(sc + 48) : d1;
+    const __m512 m0 = F == kIQ4 ? _mm512_loadu_ps(sc + 32) : d0, m1 = F == kIQ4 ? _mm512_loadu_ps(sc + 48) : d1;
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
       const __m512 dr = _mm512_set1_ps(da[r * KB + kb]);
       // Q8: m = -128 d, and m * sa = d * (-128 sa) exactly (a power of two)
-      const __m512 sr = _mm512_set1_ps(F == kI8Q4 ? sa[r * KB + kb] : -128.f * sa[r * KB + kb]);
+      const __m512 sr = _mm512_set1_ps(F == kIQ4 ? sa[r * KB + kb] : -128.f * sa[r * KB + kb]);
       c0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0[r]), _mm512_mul_ps(d0, dr), c0[r]);
       c1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1[r]), _mm512_mul_ps(d1, dr), c1[r]);
       c0[r] = _mm512_fmadd_ps(m0, sr, c0[r]);
@@ -730,10 +771,10 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_i8(const int8_t
 
 // The same sums in plain C++, in the same order, so the results match the AVX-512 tile's bit for
 // bit (the integer sums are exact; each fold is the same two roundings).
-template <int MR, int F>
-void tile_i8_portable(const int8_t* xq, int64_t K, const float* da, const float* sa, const uint8_t* wq, float* c,
-                      int64_t ldc, int ncols) {
-  constexpr int64_t BYTES = i8_block_bytes(F);
+template <int MR, int F, int BITS>
+void tile_int_portable(const act_t<BITS>* xq, int64_t K, const float* da, const float* sa, const uint8_t* wq,
+                       float* c, int64_t ldc, int ncols) {
+  constexpr int64_t BYTES = int_block_bytes(F);
   const int64_t KB = K / QB;
   float acc[MR][NB] = {};
   for (int64_t kb = 0; kb < KB; ++kb) {
@@ -744,14 +785,14 @@ void tile_i8_portable(const int8_t* xq, int64_t K, const float* da, const float*
       for (int e = 0; e < QB; ++e) {
         int64_t byte;
         int shift;
-        i8_pos(static_cast<I8Fmt>(F), e, j, byte, shift);
-        u[e] = (blk[i8_offset(F) + byte] >> shift) & (F == kI8Q4 ? 0xF : 0xFF);
+        int_pos(static_cast<IFmt>(F), BITS, e, j, byte, shift);
+        u[e] = (blk[int_offset(F) + byte] >> shift) & (F == kIQ4 ? 0xF : 0xFF);
       }
       for (int r = 0; r < MR; ++r) {
         int32_t s = 0;
         for (int e = 0; e < QB; ++e) s += u[e] * xq[r * K + kb * QB + e];
-        const float sr = F == kI8Q4 ? sa[r * KB + kb] : -128.f * sa[r * KB + kb];
-        const float m = F == kI8Q4 ? sc[NB + j] : sc[j];
+        const float sr = F == kIQ4 ? sa[r * KB + kb] : -128.f * sa[r * KB + kb];
+        const float m = F == kIQ4 ? sc[NB + j] : sc[j];
         acc[r][j] = std::fma(static_cast<float>(s), sc[j] * da[r * KB + kb], acc[r][j]);
         acc[r][j] = std::fma(m, sr, acc[r][j]);
       }
@@ -760,49 +801,80 @@ void tile_i8_portable(const int8_t* xq, int64_t K, const float* da, const float*
   for (int r = 0; r < MR; ++r) std::copy(acc[r], acc[r] + ncols, c + r * ldc);
 }
 
-using TileI8Fn = void (*)(const int8_t*, int64_t, const float*, const float*, const uint8_t*, float*, int64_t, int);
-template <int MR> void tile_i8_q4(const int8_t* x, int64_t K, const float* d, const float* s, const uint8_t* w,
-                                  float* c, int64_t ldc, int nc) { tile_i8<MR, kI8Q4>(x, K, d, s, w, c, ldc, nc); }
-template <int MR> void tile_i8_q8(const int8_t* x, int64_t K, const float* d, const float* s, const uint8_t* w,
-                                  float* c, int64_t ldc, int nc) { tile_i8<MR, kI8Q8>(x, K, d, s, w, c, ldc, nc); }
-template <int MR> void tile_i8p_q4(const int8_t* x, int64_t K, const float* d, const float* s, const uint8_t* w,
-                                   float* c, int64_t ldc, int nc) { tile_i8_portable<MR, kI8Q4>(x, K, d, s, w, c, ldc, nc); }
-template <int MR> void tile_i8p_q8(const int8_t* x, int64_t K, const float* d, const float* s, const uint8_t* w,
-                                   float* c, int64_t ldc, int nc) { tile_i8_portable<MR, kI8Q8>(x, K, d, s, w, c, ldc, nc); }
-BATCHSERVE_TILES(TileI8Fn, tile_i8_q4);
-BATCHSERVE_TILES(TileI8Fn, tile_i8_q8);
-BATCHSERVE_TILES(TileI8Fn, tile_i8p_q4);
-BATCHSERVE_TILES(TileI8Fn, tile_i8p_q8);
+template <int BITS>
+using TileIntFn = void (*)(const act_t<BITS>*, int64_t, const float*, const float*, const uint8_t*, float*, int64_t,
+                           int);
+#define BATCHSERVE_INT_TILE(name, impl, F, BITS)                                                          \
+  template <int MR>                                                                                       \
+  void name(const act_t<BITS>* x, int64_t K, const float* d, const float* s, const uint8_t* w, float* c, \
+            int64_t ldc, int nc) {                                                                        \
+    impl<MR, F, BITS>(x, K, d, s, w, c, ldc, nc);                                                         \
+  }                                                                                                       \
+  BATCHSERVE_TILES(TileIntFn<BITS>, name)
+BATCHSERVE_INT_TILE(tile_i8_q4, tile_int, kIQ4, 8);
+BATCHSERVE_INT_TILE(tile_i8_q8, tile_int, kIQ8, 8);
+BATCHSERVE_INT_TILE(tile_i16_q4, tile_int, kIQ4, 16);
+BATCHSERVE_INT_TILE(tile_i16_q8, tile_int, kIQ8, 16);
+BATCHSERVE_INT_TILE(tile_i8p_q4, tile_int_portable, kIQ4, 8);
+BATCHSERVE_INT_TILE(tile_i8p_q8, tile_int_portable, kIQ8, 8);
+BATCHSERVE_INT_TILE(tile_i16p_q4, tile_int_portable, kIQ4, 16);
+BATCHSERVE_INT_TILE(tile_i16p_q8, tile_int_portable, kIQ8, 16);
 
-void check_i8(const torch::Tensor& wq, int64_t n, I8Fmt f, const char* what) {
-  TORCH_CHECK(f == kI8Q4 || f == kI8Q8, what, ": format must be 0 (4-bit quants) or 1 (Q8_0), got ",
+void check_int(const torch::Tensor& wq, int64_t n, IFmt f, int64_t bits, const char* what) {
+  TORCH_CHECK(bits == 8 || bits == 16, what, ": activation bits must be 8 or 16, got ", bits);
+  TORCH_CHECK(f == kIQ4 || f == kIQ8, what, ": format must be 0 (4-bit quants) or 1 (Q8_0), got ",
               static_cast<int64_t>(f));
   TORCH_CHECK(wq.device().is_cpu() && wq.scalar_type() == torch::kUInt8 && wq.dim() == 3 &&
-                  wq.size(2) == i8_block_bytes(f) && wq.is_contiguous(),
-              what, ": packed weight must be a contiguous uint8 CPU tensor [panels, K/32, ", i8_block_bytes(f), "]");
+                  wq.size(2) == int_block_bytes(f) && wq.is_contiguous(),
+              what, ": packed weight must be a contiguous uint8 CPU tensor [panels, K/32, ", int_block_bytes(f), "]");
   check_n(wq, n, what);
+}
+
+template <int BITS>
+void run_int(const torch::Tensor& x, const uint8_t* w, int64_t n, IFmt f, bool vec, float* c, int64_t NP,
+             int64_t KB) {
+  const int64_t M = x.size(0), K = x.size(1), bytes = int_block_bytes(f);
+  const TileIntFn<BITS>* table;
+  if constexpr (BITS == 8)
+    table = vec ? (f == kIQ4 ? tile_i8_q4_table : tile_i8_q8_table) : (f == kIQ4 ? tile_i8p_q4_table : tile_i8p_q8_table);
+  else
+    table = vec ? (f == kIQ4 ? tile_i16_q4_table : tile_i16_q8_table)
+                : (f == kIQ4 ? tile_i16p_q4_table : tile_i16p_q8_table);
+  std::vector<act_t<BITS>> xq(M * K);
+  std::vector<float> da(M * KB), sa(M * KB);
+  quantize_rows<BITS>(x.data_ptr<float>(), M, K, vec, xq.data(), da.data(), sa.data());
+  const int64_t mr_max = vec ? MRI : 4;
+  for_panels(M, NP, MCHUNK, [&](int64_t p, int64_t m_lo, int64_t rows) {
+    const int ncols = static_cast<int>(std::min<int64_t>(NB, n - p * NB));
+    for_row_blocks(m_lo, rows, mr_max, [&](int64_t m0, int64_t mr) {
+      table[mr](xq.data() + m0 * K, K, da.data() + m0 * KB, sa.data() + m0 * KB, w + p * KB * bytes,
+                c + m0 * n + p * NB, n, ncols);
+    });
+  });
 }
 
 }  // namespace
 
-// Whether this CPU has the int8 dot-product path (AVX512-VNNI); without it gemm_i8 runs its
+// Whether this CPU has the integer dot-product path (AVX512-VNNI); without it gemm_int runs its
 // portable code, correct and slow.
 bool has_vnni() { return cpu_has_vnni(); }
 
-// GGUF blocks -> int8 dot-product panels. src: 0 Q4_1, 1 Q8_0, 2 Q4_0, 3 Q4_K (Q6_K has a scale
-// per 16 k and is not taken). Q8_0 gives fmt 1, the others fmt 0.
-torch::Tensor pack_i8(torch::Tensor raw, int64_t src) {
+// GGUF blocks -> integer dot-product panels for activations of `bits` (8 or 16). src: 0 Q4_1,
+// 1 Q8_0, 2 Q4_0, 3 Q4_K (Q6_K has a scale per 16 k and is not taken). Q8_0 gives fmt 1, the
+// others fmt 0.
+torch::Tensor pack_int(torch::Tensor raw, int64_t src, int64_t bits) {
   const SrcFmt sf = static_cast<SrcFmt>(src);
-  TORCH_CHECK(src >= 0 && src <= 3, "pack_i8: format must be 0 (Q4_1), 1 (Q8_0), 2 (Q4_0) or 3 (Q4_K), got ", src);
+  TORCH_CHECK(src >= 0 && src <= 3, "pack_int: format must be 0 (Q4_1), 1 (Q8_0), 2 (Q4_0) or 3 (Q4_K), got ", src);
+  TORCH_CHECK(bits == 8 || bits == 16, "pack_int: activation bits must be 8 or 16, got ", bits);
   int64_t src_bytes, src_k;
   src_layout(sf, src_bytes, src_k);
   TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == torch::kUInt8 && raw.dim() == 2 &&
                   raw.size(1) % src_bytes == 0 && raw.size(1) > 0,
-              "pack_i8: raw blocks must be a uint8 CPU matrix [N, K/", src_k, " * ", src_bytes, "]");
+              "pack_int: raw blocks must be a uint8 CPU matrix [N, K/", src_k, " * ", src_bytes, "]");
   raw = raw.contiguous();
-  const I8Fmt f = sf == kSrcQ8_0 ? kI8Q8 : kI8Q4;
+  const IFmt f = sf == kSrcQ8_0 ? kIQ8 : kIQ4;
   const int64_t N = raw.size(0), KB = raw.size(1) / src_bytes * (src_k / QB), NP = (N + NB - 1) / NB;
-  const int64_t bytes = i8_block_bytes(f), row_bytes = raw.size(1);
+  const int64_t bytes = int_block_bytes(f), row_bytes = raw.size(1);
   auto out = torch::zeros({NP, KB, bytes}, raw.options());
   const uint8_t* srcp = raw.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
@@ -816,12 +888,12 @@ torch::Tensor pack_i8(torch::Tensor raw, int64_t src) {
           float scale, scale2, mn;
           read_block(sf, srcp + (p * NB + j) * row_bytes, kb, scale, scale2, mn, q);
           d[j] = scale;
-          if (f == kI8Q4) d[NB + j] = mn;
+          if (f == kIQ4) d[NB + j] = mn;
           for (int e = 0; e < QB; ++e) {
             int64_t byte;
             int shift;
-            i8_pos(f, e, j, byte, shift);
-            blk[i8_offset(f) + byte] |= static_cast<uint8_t>((f == kI8Q8 ? q[e] + 128 : q[e]) << shift);
+            int_pos(f, static_cast<int>(bits), e, j, byte, shift);
+            blk[int_offset(f) + byte] |= static_cast<uint8_t>((f == kIQ8 ? q[e] + 128 : q[e]) << shift);
           }
         }
       }
@@ -829,10 +901,10 @@ torch::Tensor pack_i8(torch::Tensor raw, int64_t src) {
   return out;
 }
 
-// The dense float32 W [n, K] = d*u + m that int8 panels hold.
-torch::Tensor unpack_i8(torch::Tensor wq, int64_t n, int64_t fmt) {
-  const I8Fmt f = static_cast<I8Fmt>(fmt);
-  check_i8(wq, n, f, "unpack_i8");
+// The dense float32 W [n, K] = d*u + m that integer panels hold.
+torch::Tensor unpack_int(torch::Tensor wq, int64_t n, int64_t fmt, int64_t bits) {
+  const IFmt f = static_cast<IFmt>(fmt);
+  check_int(wq, n, f, bits, "unpack_int");
   const int64_t KB = wq.size(1), K = KB * QB, bytes = wq.size(2);
   auto out = torch::empty({n, K}, torch::kFloat32);
   float* o = out.data_ptr<float>();
@@ -846,46 +918,33 @@ torch::Tensor unpack_i8(torch::Tensor wq, int64_t n, int64_t fmt) {
       for (int e = 0; e < QB; ++e) {
         int64_t byte;
         int shift;
-        i8_pos(f, e, j, byte, shift);
-        const int u = (blk[i8_offset(f) + byte] >> shift) & (f == kI8Q4 ? 0xF : 0xFF);
-        o[col * K + kb * QB + e] = f == kI8Q4 ? std::fma(static_cast<float>(u), sc[j], sc[NB + j])
-                                              : static_cast<float>(u - 128) * sc[j];
+        int_pos(f, static_cast<int>(bits), e, j, byte, shift);
+        const int u = (blk[int_offset(f) + byte] >> shift) & (f == kIQ4 ? 0xF : 0xFF);
+        o[col * K + kb * QB + e] = f == kIQ4 ? std::fma(static_cast<float>(u), sc[j], sc[NB + j])
+                                             : static_cast<float>(u - 128) * sc[j];
       }
     }
   }
   return out;
 }
 
-// x [M, K] float32 times the int8 panels' W^T -> float32 [M, n], x quantized to int8 per block
-// of 32 k first. `isa_override`: -1 best, 0 portable, 2 AVX-512 VNNI (must be supported).
-torch::Tensor gemm_i8(torch::Tensor x, torch::Tensor wq, int64_t n, int64_t fmt, int64_t isa_override) {
-  const I8Fmt f = static_cast<I8Fmt>(fmt);
-  check_i8(wq, n, f, "gemm_i8");
+// x [M, K] float32 times the integer panels' W^T -> float32 [M, n], x quantized to `bits`-bit
+// integers per block of 32 k first. `isa_override`: -1 best, 0 portable, 2 AVX-512 VNNI.
+torch::Tensor gemm_int(torch::Tensor x, torch::Tensor wq, int64_t n, int64_t fmt, int64_t bits,
+                       int64_t isa_override) {
+  const IFmt f = static_cast<IFmt>(fmt);
+  check_int(wq, n, f, bits, "gemm_int");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
-              "gemm_i8: x must be a contiguous float32 CPU matrix [M, K]");
-  const int64_t M = x.size(0), K = x.size(1), NP = wq.size(0), KB = wq.size(1), bytes = wq.size(2);
-  TORCH_CHECK(KB * QB == K, "gemm_i8: x has K=", K, " but the packed weight has K=", KB * QB);
+              "gemm_int: x must be a contiguous float32 CPU matrix [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), NP = wq.size(0), KB = wq.size(1);
+  TORCH_CHECK(KB * QB == K, "gemm_int: x has K=", K, " but the packed weight has K=", KB * QB);
   static const bool vnni = cpu_has_vnni();
   TORCH_CHECK(isa_override == -1 || isa_override == kPortable || (isa_override == kAvx512 && vnni),
-              "gemm_i8: code path ", isa_override, " is not supported by this CPU");
+              "gemm_int: code path ", isa_override, " is not supported by this CPU");
   const bool vec = isa_override == -1 ? vnni : isa_override == kAvx512;
-  const TileI8Fn* table = vec ? (f == kI8Q4 ? tile_i8_q4_table : tile_i8_q8_table)
-                              : (f == kI8Q4 ? tile_i8p_q4_table : tile_i8p_q8_table);
   auto y = torch::empty({M, n}, x.options());
   if (M == 0 || n == 0) return y;
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> da(M * KB), sa(M * KB);
-  quantize_rows(x.data_ptr<float>(), M, K, vec, xq.data(), da.data(), sa.data());
-  const uint8_t* w = wq.data_ptr<uint8_t>();
-  float* c = y.data_ptr<float>();
-  const int64_t mr_max = vec ? MRI8 : 4;
-  for_panels(M, NP, MCHUNK, [&](int64_t p, int64_t m_lo, int64_t rows) {
-    const int ncols = static_cast<int>(std::min<int64_t>(NB, n - p * NB));
-    for_row_blocks(m_lo, rows, mr_max, [&](int64_t m0, int64_t mr) {
-      table[mr](xq.data() + m0 * K, K, da.data() + m0 * KB, sa.data() + m0 * KB, w + p * KB * bytes, c + m0 * n + p * NB,
-                n, ncols);
-    });
-  });
+  (bits == 8 ? run_int<8> : run_int<16>)(x, wq.data_ptr<uint8_t>(), n, f, vec, y.data_ptr<float>(), NP, KB);
   return y;
 }
 
@@ -1027,12 +1086,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("isa_override") = -1);
   m.def("pack_q", &pack_q, "GGUF blocks (0 Q4_1, 1 Q8_0, 2 Q4_0, 3 Q4_K, 4 Q6_K) [N, row bytes] -> panels", nogil);
   m.def("unpack_q", &unpack_q, "block-quantized panels -> float32 [n, K]", nogil);
-  m.def("has_vnni", &has_vnni, "whether this CPU has the int8 dot-product path (AVX512-VNNI)");
-  m.def("pack_i8", &pack_i8, "GGUF blocks (0 Q4_1, 1 Q8_0, 2 Q4_0, 3 Q4_K) [N, row bytes] -> int8 dot-product panels",
-        nogil);
-  m.def("unpack_i8", &unpack_i8, "int8 dot-product panels -> float32 [n, K]", nogil);
-  m.def("gemm_i8", &gemm_i8, "x [M, K] quantized to int8 per 32 k @ W^T from int8 panels -> float32 [M, n]", nogil,
-        py::arg("x"), py::arg("wq"), py::arg("n"), py::arg("fmt"), py::arg("isa_override") = -1);
+  m.def("has_vnni", &has_vnni, "whether this CPU has the integer dot-product path (AVX512-VNNI)");
+  m.def("pack_int", &pack_int, "GGUF blocks (0 Q4_1, 1 Q8_0, 2 Q4_0, 3 Q4_K) [N, row bytes] -> integer panels "
+        "for 8- or 16-bit activations", nogil, py::arg("raw"), py::arg("src"), py::arg("bits") = 8);
+  m.def("unpack_int", &unpack_int, "integer panels -> float32 [n, K]", nogil, py::arg("wq"), py::arg("n"),
+        py::arg("fmt"), py::arg("bits") = 8);
+  m.def("gemm_int", &gemm_int, "x [M, K] quantized to int8/int16 per 32 k @ W^T from integer panels -> float32 [M, n]",
+        nogil, py::arg("x"), py::arg("wq"), py::arg("n"), py::arg("fmt"), py::arg("bits") = 8,
+        py::arg("isa_override") = -1);
   m.def("gemm_q", &gemm_q, "x [M, K] @ W^T from block-quantized panels -> [M, n]", nogil, py::arg("x"), py::arg("wq"),
         py::arg("n"), py::arg("fmt"), py::arg("isa_override") = -1, py::arg("fused_rows") = -1);
 }

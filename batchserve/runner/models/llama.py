@@ -155,9 +155,10 @@ def best_linear_backend(weight: torch.Tensor) -> str:
     return "onednn" if onednn_linear_ok(weight) else "torch"
 
 
-# GGUF sources the int8 dot-product path takes (Q4_1, Q8_0, Q4_0, Q4_K: one scale per 32 k);
-# Q6_K (a scale per 16) stays on the float32 block path in that mode.
-INT8_SOURCES = frozenset({0, 1, 2, 3})
+# GGUF sources the integer dot-product paths take (Q4_1, Q8_0, Q4_0, Q4_K: one scale per 32 k);
+# Q6_K (a scale per 16) stays on the float32 block path in those modes.
+INT_SOURCES = frozenset({0, 1, 2, 3})
+INT_MATMUL = {torch.int8: 8, torch.int16: 16}  # matmul_dtype -> activation bits
 
 
 class Linear:
@@ -167,29 +168,31 @@ class Linear:
     Q4_K regrouped into the Q4_1 ones, Q6_K into int8 panels with a scale per 16 k);
     `onednn`: oneDNN on its blocked layout; `torch`: F.linear on the dense weight."""
 
-    __slots__ = ("w", "backend", "n", "k", "_gemm", "fmt", "int8")
+    __slots__ = ("w", "backend", "n", "k", "_gemm", "fmt", "act_bits")
 
     @classmethod
-    def from_blocks(cls, raw: torch.Tensor, src: int, int8: bool = False) -> "Linear":
+    def from_blocks(cls, raw: torch.Tensor, src: int, act_bits: int = 0) -> "Linear":
         """From a GGUF file's blocks as stored (uint8 [N, row bytes]; `src` 0 = Q4_1, 1 = Q8_0,
         2 = Q4_0, 3 = Q4_K, 4 = Q6_K): the C++ GEMM expands them in registers, float32 math,
         products equal to the dequantized weights' bit for bit. `fmt` is the panel layout: 1 for
         Q8_0, 2 for Q6_K (int8 with a scale per 16 k), else 0 (Q4_1's).
-        `int8` (sources in INT8_SOURCES): the activations are quantized to int8 per 32 k and
-        multiplied into the integer quants (AVX512-VNNI dot products; fmt 1 for Q8_0, else 0)."""
+        `act_bits` 8 or 16 (sources in INT_SOURCES): the activations are quantized to int8 / int16
+        per 32 k and multiplied into the integer quants (AVX512-VNNI dot products; fmt 1 for Q8_0,
+        else 0); 0: float32 activations."""
         from batchserve.runner.kernels import gemm_ext
 
         ext = gemm_ext()
         if ext is None:
             raise RuntimeError("quantized weights: the C++ panel GEMM did not build here")
         lin = cls.__new__(cls)
-        lin.backend, lin.n, lin.int8 = "cpp", raw.shape[0], int8
-        if int8:
-            if src not in INT8_SOURCES:
-                raise ValueError(f"int8 matrix products take GGUF sources {sorted(INT8_SOURCES)}, got {src}")
+        lin.backend, lin.n, lin.act_bits = "cpp", raw.shape[0], act_bits
+        if act_bits:
+            if src not in INT_SOURCES or act_bits not in (8, 16):
+                raise ValueError(f"integer matrix products take GGUF sources {sorted(INT_SOURCES)} and 8- or 16-bit "
+                                 f"activations, got source {src}, {act_bits} bits")
             fmt = 1 if src == 1 else 0
-            lin.w = ext.pack_i8(raw, src)
-            lin._gemm = lambda x, w, n: ext.gemm_i8(x, w, n, fmt)
+            lin.w = ext.pack_int(raw, src, act_bits)
+            lin._gemm = lambda x, w, n: ext.gemm_int(x, w, n, fmt, act_bits)
         else:
             fmt = {1: 1, 4: 2}.get(src, 0)
             lin.w = ext.pack_q(raw, src)
@@ -203,7 +206,7 @@ class Linear:
             raise ValueError(f"unknown linear backend {backend!r}")
         self.backend = backend
         self.fmt = None  # GGUF block format (from_blocks)
-        self.int8 = False
+        self.act_bits = 0
         self.n, self.k = weight.shape
         self._gemm = None  # the C++ product for this weight's dtype (cpp backend)
         if backend == "cpp":
@@ -235,8 +238,9 @@ class Linear:
         if self.fmt is not None:
             from batchserve.runner.kernels import gemm_ext
 
-            unpack = gemm_ext().unpack_i8 if self.int8 else gemm_ext().unpack_q
-            return unpack(self.w, self.n, self.fmt)
+            if self.act_bits:
+                return gemm_ext().unpack_int(self.w, self.n, self.fmt, self.act_bits)
+            return gemm_ext().unpack_q(self.w, self.n, self.fmt)
         if self.backend == "cpp" and self.w.dtype == torch.bfloat16:  # [panels, K/2, 32 x 2]
             p, k2 = self.w.shape[:2]
             return self.w.view(p, k2, 32, 2).permute(0, 2, 1, 3).reshape(p * 32, 2 * k2)[: self.n, : self.k]
@@ -265,32 +269,33 @@ class LlamaModel(nn.Module):
         float32 weights and products, every matrix whose parts all have blocks of one format is
         multiplied from them (`self.quantized_matrices` counts them); the results are those of the
         dense weights.
-        `matmul_dtype` torch.int8 (float32 weights, needs `quantized`): the matrices whose blocks
-        have one scale per 32 k (Q4_0/Q4_1/Q4_K/Q8_0) multiply activations quantized to int8 per
-        32 k into their integer quants (`self.int8_matrices` counts them); the rest stays float32.
-        Close to, not equal to, the float32 products."""
+        `matmul_dtype` torch.int8 or torch.int16 (float32 weights, needs `quantized`): the matrices
+        whose blocks have one scale per 32 k (Q4_0/Q4_1/Q4_K/Q8_0) multiply activations quantized
+        to int8 / int16 per 32 k into their integer quants (`self.int_matrices` counts them); the
+        rest stays float32. Close to, not equal to, the float32 products (int16 much closer)."""
         super().__init__()
         self.cfg = cfg
         w = weights
         self.embed = w["model.embed_tokens.weight"]  # [V, H]
         self.norm = w["model.norm.weight"]
         mm = matmul_dtype or self.embed.dtype
-        int8 = mm == torch.int8
-        if int8:
+        act_bits = INT_MATMUL.get(mm, 0)
+        if act_bits:
+            what = f"matmul_dtype int{act_bits}"
             if self.embed.dtype != torch.float32 or self.embed.device.type != "cpu":
-                raise ValueError("matmul_dtype int8 needs float32 weights on the CPU")
+                raise ValueError(f"{what} needs float32 weights on the CPU")
             if not quantized:
-                raise ValueError("matmul_dtype int8 multiplies a GGUF file's 4-/8-bit blocks, and this model has none "
+                raise ValueError(f"{what} multiplies a GGUF file's 4-/8-bit blocks, and this model has none "
                                  "(a GGUF file with Q4_0/Q4_1/Q4_K/Q8_0 tensors, quantized_weights auto)")
             if linear_backend not in ("auto", "cpp") or not cpp_linear_ok(self.embed):
-                raise RuntimeError("matmul_dtype int8 needs the C++ GEMM (linear_backend auto or cpp, and a C++ "
+                raise RuntimeError(f"{what} needs the C++ GEMM (linear_backend auto or cpp, and a C++ "
                                    "toolchain to build it)")
             linear_backend, mm = "cpp", torch.float32
         elif mm != self.embed.dtype and (self.embed.dtype != torch.float32 or mm != torch.bfloat16):
             raise ValueError(f"matmul_dtype {mm} with {self.embed.dtype} weights: only bfloat16 matrix products "
-                             "over float32 weights (or int8 ones over a GGUF file's blocks) are supported")
+                             "over float32 weights (or int8 / int16 ones over a GGUF file's blocks) are supported")
         self.matmul_dtype = mm
-        self.int8_matrices = 0
+        self.int_matrices = 0
         if linear_backend == "onednn" and not onednn_linear_ok(self.embed):
             raise RuntimeError("linear_backend=onednn: oneDNN linear is not available here (needs fp32 on a CPU "
                                "with torch's oneDNN)")
@@ -311,9 +316,9 @@ class LlamaModel(nn.Module):
             if len(fmts) == 1 and all(k in blocks for k in names):
                 self.quantized_matrices += 1
                 src = fmts.pop()
-                self.int8_matrices += int8 and src in INT8_SOURCES
-                return Linear.from_blocks(torch.cat([blocks[k][1] for k in names]), src,
-                                          int8=int8 and src in INT8_SOURCES)
+                bits = act_bits if src in INT_SOURCES else 0
+                self.int_matrices += bits > 0
+                return Linear.from_blocks(torch.cat([blocks[k][1] for k in names]), src, act_bits=bits)
             t = w[names[0]] if len(names) == 1 else torch.cat([w[k] for k in names])
             return Linear(t.to(mm), layer_backend)
 
