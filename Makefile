@@ -35,7 +35,7 @@ bench: bench-engine bench-http bench-ray
 
 bench-engine: $(STAMP)
 	$(PY) -m batchserve.bench.foundation --out BENCHMARKS.md $(ARGS)
-	$(PY) -m batchserve.bench.foundation --matmul-dtype int16 --skip-hf --out BENCHMARKS.md
+	$(PY) -m batchserve.bench.foundation --matmul-dtype float32 --skip-hf --out BENCHMARKS.md
 	$(PY) -m batchserve.bench.foundation --matmul-dtype int8 --skip-hf --out BENCHMARKS.md
 	$(PY) -m batchserve.bench.policies --out BENCHMARKS.md
 	$(PY) -m batchserve.sim.fidelity --requests 60 --scale 0.5 --out BENCHMARKS.md

@@ -23,14 +23,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="float32 matrix products: the C++ panel GEMM on AVX-512 CPUs, else oneDNN on packed weights "
                         "where it runs (auto); or require the C++ GEMM, oneDNN, or F.linear")
     g.add_argument("--matmul-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int16", "int8"],
-                   help="bfloat16: the decoder layers' matrix products in bf16 over float32 activations, norms, "
-                        "KV cache and LM head; int16 / int8: a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 matrices multiply "
-                        "activations quantized to int16 / int8 per 32 values (AVX512-VNNI integer dot products; "
-                        "int16 ~1.5x and int8 ~2.5x the float32 rate; int16's output is within ~0.01%% of float32's, "
-                        "int8 is llama.cpp's scheme and differs more) (auto: as --dtype)")
+                   help="int16 / int8: a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 matrices multiply activations quantized "
+                        "to int16 / int8 per 32 values (AVX512-VNNI integer dot products, ~1.5x / ~2.5x the float32 "
+                        "rate; int16 gives the float32 model's output, int8 is llama.cpp's scheme and differs more); "
+                        "float32: float32 products (bit-identical to the dequantized weights); bfloat16: the decoder "
+                        "layers' products in bf16; auto: int16 where it runs (VNNI CPU, GGUF blocks), else as --dtype")
     g.add_argument("--quantized-weights", default="auto", choices=["auto", "off"],
-                   help="auto: multiply from a GGUF file's Q4_0/Q4_1/Q4_K/Q6_K/Q8_0 blocks as stored (C++ GEMM, float32 math; "
-                        "the same products as the dequantized weights from ~5x fewer bytes); off: dequantize at load")
+                   help="auto: multiply from a GGUF file's Q4_0/Q4_1/Q4_K/Q6_K/Q8_0 blocks as stored (C++ GEMM; "
+                        "~5x fewer bytes than float32, see --matmul-dtype for the arithmetic); off: dequantize at load")
     g = p.add_argument_group("kv cache")
     g.add_argument("--kv-cache-gb", type=float, default=CacheConfig.kv_cache_gb)
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],

@@ -32,14 +32,16 @@ class ModelConfig:
     seed: int = 0
     attention_backend: str = "auto"  # auto: C++ decode kernel + fused layer ops when they build (CPU, fp32); torch; cpp
     linear_backend: str = "auto"  # auto: C++ panel GEMM on AVX-512, else oneDNN where it runs; cpp; onednn; torch
-    # auto: the matrix products in `dtype`; bfloat16 with dtype float32: the decoder layers' products
-    # in bf16 (half the weight bytes; where the CPU has bf16 instructions, faster), all else float32;
-    # int8 / int16: a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 matrices multiply activations quantized to
-    # int8 / int16 per 32 k into their integer quants (AVX512-VNNI; int8 is llama.cpp's scheme)
+    # auto: int16 on a CPU with AVX512-VNNI for a float32 model with GGUF blocks (the C++ GEMM),
+    # else the matrix products in `dtype` (model_runner.resolve_matmul_dtype); bfloat16 with dtype
+    # float32: the decoder layers' products in bf16 (half the weight bytes; where the CPU has bf16
+    # instructions, faster), all else float32; int8 / int16: a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0
+    # matrices multiply activations quantized to int8 / int16 per 32 k into their integer quants
+    # (AVX512-VNNI; int16 gives the float32 model's output, int8 is llama.cpp's scheme)
     matmul_dtype: str = "auto"
     # auto: a GGUF file's Q4_0 / Q4_1 / Q4_K / Q6_K / Q8_0 matrices stay in their blocks and the
-    # C++ GEMM multiplies from them (CPU, float32 activations): the same products as the
-    # dequantized float32 weights, bit for bit, from 3-5x fewer weight bytes; off: dequantize at load
+    # C++ GEMM multiplies from them (CPU, float32 activations; with float32 products the same
+    # products as the dequantized weights, bit for bit), from 3-5x fewer weight bytes; off: dequantize at load
     quantized_weights: str = "auto"
 
     def __post_init__(self) -> None:

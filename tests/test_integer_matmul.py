@@ -169,19 +169,19 @@ def test_smollm2_in_integer_modes_stays_close_to_float32():
     from batchserve.engine.engine import tokenize
     from batchserve.llm import LLM
 
-    llms = {mm: LLM(matmul_dtype=mm, kv_cache_gb=0.05) for mm in ("auto", "int8", "int16")}
-    layers = llms["auto"].engine.executor.model.cfg.num_layers
-    assert llms["auto"].engine.executor.model.int_matrices == 0
+    llms = {mm: LLM(matmul_dtype=mm, kv_cache_gb=0.05) for mm in ("float32", "int8", "int16")}
+    layers = llms["float32"].engine.executor.model.cfg.num_layers
+    assert llms["float32"].engine.executor.model.int_matrices == 0
     for mm, bits in (("int8", 8), ("int16", 16)):
         q = llms[mm].engine.executor.model
         assert q.int_matrices == q.quantized_matrices == 4 * layers + 1
         assert q.layers[0]["wqkv"].act_bits == bits and q.lm_head.act_bits == bits and q.lm_head.fmt == 1
-    tok = llms["auto"].tokenizer
+    tok = llms["float32"].tokenizer
     prompts = [tokenize(tok, messages=[{"role": "user", "content": c}]) for c in QUESTIONS[:6]]
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    answers = [o.token_ids for o in llms["auto"].generate(prompts, greedy)]
+    answers = [o.token_ids for o in llms["float32"].generate(prompts, greedy)]
     logits = {mm: torch.cat(forced_logits(llm.engine.executor, prompts, answers)) for mm, llm in llms.items()}
-    ref = logits["auto"]
+    ref = logits["float32"]
     for mm, max_rel, min_agree in (("int8", 0.1, 0.9), ("int16", 0.001, 1.0)):
         got = logits[mm]
         assert not torch.equal(ref, got)  # the integer path really ran
@@ -191,3 +191,24 @@ def test_smollm2_in_integer_modes_stays_close_to_float32():
         answer = llms[mm].chat([{"role": "user", "content": "What is the capital of France?"}],
                                SamplingParams(max_tokens=16, temperature=0.0))[0]
         assert "Paris" in answer.text, mm
+
+
+def test_auto_picks_int16_for_gguf_blocks_on_a_vnni_cpu_and_float32_elsewhere():
+    """matmul_dtype auto: int16 dot products where they run fast (a GGUF file's blocks, the C++
+    GEMM, AVX512-VNNI); the float32 products when the blocks are off, another backend is asked
+    for, the model has no blocks, or the CPU lacks VNNI. An explicit dtype is kept."""
+    from batchserve.runner.loader import LoadedModel
+    from batchserve.runner.model_runner import resolve_matmul_dtype
+
+    vnni = bool(gemm_ext().has_vnni())
+    blocks = LoadedModel(config=None, weights={}, tokenizer=None, name="t", quantized={"w": (0, torch.zeros(1, 20, dtype=torch.uint8))})
+    q6k = LoadedModel(config=None, weights={}, tokenizer=None, name="t", quantized={"w": (4, torch.zeros(1, 210, dtype=torch.uint8))})
+    dense = LoadedModel(config=None, weights={}, tokenizer=None, name="t")
+    assert resolve_matmul_dtype(ModelConfig(), blocks) == (torch.int16 if vnni else None)
+    assert resolve_matmul_dtype(ModelConfig(), dense) is None
+    assert resolve_matmul_dtype(ModelConfig(), q6k) is None  # Q6_K alone: no integer path
+    assert resolve_matmul_dtype(ModelConfig(quantized_weights="off"), blocks) is None
+    assert resolve_matmul_dtype(ModelConfig(linear_backend="onednn"), blocks) is None
+    assert resolve_matmul_dtype(ModelConfig(matmul_dtype="float32"), blocks) is None
+    assert resolve_matmul_dtype(ModelConfig(matmul_dtype="int8"), blocks) == torch.int8
+    assert resolve_matmul_dtype(ModelConfig(matmul_dtype="bfloat16"), blocks) == torch.bfloat16

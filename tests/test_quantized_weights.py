@@ -124,11 +124,11 @@ def smollm2():
 def test_the_default_gguf_model_runs_from_its_blocks_with_the_dense_models_results(smollm2):
     """SmolLM2's GGUF: every layer matrix is Q4_1 and the tied embedding Q8_0. The runner keeps
     them as blocks (121 matrices: 4 per layer and the LM head), the q/k rows in Hugging Face
-    order like the dense weights, and a prefill plus decode steps give the logits of the
-    dequantized model exactly."""
+    order like the dense weights, and with float32 products a prefill plus decode steps give the
+    logits of the dequantized model exactly."""
     assert {f for f, _ in smollm2.quantized.values()} == {0, 1}
-    runners = {qw: ModelRunner(copy.copy(smollm2), ModelConfig(quantized_weights=qw), CacheConfig(kv_cache_gb=0.05))
-               for qw in ("auto", "off")}
+    runners = {qw: ModelRunner(copy.copy(smollm2), ModelConfig(quantized_weights=qw, matmul_dtype="float32"),
+                               CacheConfig(kv_cache_gb=0.05)) for qw in ("auto", "off")}
     q, dense = runners["auto"].model, runners["off"].model
     if q.linear_backend != "cpp":
         pytest.skip("the C++ GEMM is not the linear backend here")

@@ -98,14 +98,15 @@ def quality(llm32, llm16, max_tokens: int = 64) -> dict:
             "max_rel": max(rel), "mean_rel": sum(rel) / len(rel)}
 
 
-VARIANTS = {  # name -> LLM options (the fp32 default first: everything is compared with it)
-    "fp32, fused ops (default)": {},
+FP32 = {"matmul_dtype": "float32"}
+VARIANTS = {  # name -> LLM options (the fp32 reference first: everything is compared with it)
+    "fp32, fused ops": FP32,
     "fp32, weights dequantized at load": {"quantized_weights": "off"},
     "fp32, fused ops, oneDNN matmul": {"linear_backend": "onednn"},
-    "fp32 + bf16 KV cache": {"kv_cache_dtype": "bfloat16"},
+    "fp32 + bf16 KV cache": {**FP32, "kv_cache_dtype": "bfloat16"},
     "bf16 matmul": {"matmul_dtype": "bfloat16"},
     "bf16 matmul + bf16 KV cache": {"matmul_dtype": "bfloat16", "kv_cache_dtype": "bfloat16"},
-    "int16 matmul (GGUF blocks x int16 activations)": {"matmul_dtype": "int16"},
+    "int16 matmul (GGUF blocks x int16 activations; the default on AVX512-VNNI)": {"matmul_dtype": "int16"},
     "int16 matmul + bf16 KV cache": {"matmul_dtype": "int16", "kv_cache_dtype": "bfloat16"},
     "int8 matmul (GGUF blocks x int8 activations)": {"matmul_dtype": "int8"},
     "int8 matmul + bf16 KV cache": {"matmul_dtype": "int8", "kv_cache_dtype": "bfloat16"},
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     engine_kw = dict(kv_cache_gb=1.5, max_num_seqs=64, max_num_batched_tokens=2048)
     llms = {name: LLM(**engine_kw, **kw) for name, kw in VARIANTS.items()}
     base = next(iter(llms.values()))
-    unfused = ModelRunner(copy.copy(load_model(ModelConfig())), ModelConfig(), CacheConfig(kv_cache_gb=1.0))
+    unfused = ModelRunner(copy.copy(load_model(ModelConfig())), ModelConfig(**FP32), CacheConfig(kv_cache_gb=1.0))
     unfused.model.fused = None  # same runner, elementwise work back in PyTorch ops (C++ attention kept)
     runners = {UNFUSED: unfused, **{k: v.engine.executor for k, v in llms.items()}}
     cfg = base.engine.executor.cfg
