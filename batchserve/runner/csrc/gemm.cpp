@@ -41,6 +41,19 @@ __attribute__((target("avx512f"))) inline void tail_masks(int ncols, __mmask16& 
   m1 = ncols <= 16 ? 0 : static_cast<__mmask16>((1u << (ncols - 16)) - 1);
 }
 
+// Stores MR rows of a tile's two 16-column sums, only the first `ncols` columns.
+template <int MR>
+__attribute__((target("avx512f"))) inline void store_rows(float* c, int64_t ldc, int ncols, const __m512* c0,
+                                                          const __m512* c1) {
+  __mmask16 m0, m1;
+  tail_masks(ncols, m0, m1);
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) {
+    _mm512_mask_storeu_ps(c + r * ldc, m0, c0[r]);
+    _mm512_mask_storeu_ps(c + r * ldc + 16, m1, c1[r]);
+  }
+}
+
 // ---- AVX-512 -------------------------------------------------------------------------------
 constexpr int MR512 = 14;  // 28 accumulators + 2 weight vectors + 1 broadcast = 31 of 32 registers
 
@@ -325,13 +338,7 @@ __attribute__((target("avx512f"))) void tile_q512(const float* __restrict a, int
       }
     }
   }
-  __mmask16 mk0, mk1;
-  tail_masks(ncols, mk0, mk1);
-#pragma GCC unroll 16
-  for (int r = 0; r < MR; ++r) {
-    _mm512_mask_storeu_ps(c + r * ldc, mk0, c0[r]);
-    _mm512_mask_storeu_ps(c + r * ldc + 16, mk1, c1[r]);
-  }
+  store_rows<MR>(c, ldc, ncols, c0, c1);
 }
 
 template <int MR> void tile_q4_512(const float* a, int64_t lda, const uint8_t* w, int64_t KB, float* c, int64_t ldc,
@@ -478,6 +485,36 @@ void read_block(SrcFmt s, const uint8_t* row, int64_t kb, float& d, float& d2, f
   for (int e = 0; e < QB; ++e) q[e] = e < 16 ? qs[e] & 0xF : qs[e - 16] >> 4;
 }
 
+// GGUF blocks (raw [N, row bytes] of source format sf, one row of W per row, as the file stores
+// them) regrouped into panels of `bytes` per block of 32 k: put(blk, j, d, d2, m, q) is called for
+// each panel block and each of its columns j with the column's scale (d2: of k 16-31), minimum and
+// 32 quants as read_block gives them, and writes them into the zeroed block.
+template <typename Put>
+torch::Tensor regroup_blocks(torch::Tensor raw, SrcFmt sf, int64_t bytes, const char* what, Put put) {
+  int64_t src_bytes, src_k;
+  src_layout(sf, src_bytes, src_k);
+  TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == torch::kUInt8 && raw.dim() == 2 &&
+                  raw.size(1) % src_bytes == 0 && raw.size(1) > 0,
+              what, ": raw blocks must be a uint8 CPU matrix [N, K/", src_k, " * ", src_bytes, "]");
+  raw = raw.contiguous();
+  const int64_t N = raw.size(0), KB = raw.size(1) / src_bytes * (src_k / QB), NP = (N + NB - 1) / NB;
+  const int64_t row_bytes = raw.size(1);
+  auto out = torch::zeros({NP, KB, bytes}, raw.options());
+  const uint8_t* srcp = raw.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, NP, 1, [&](int64_t lo, int64_t hi) {
+    int q[QB];
+    for (int64_t p = lo; p < hi; ++p)
+      for (int64_t kb = 0; kb < KB; ++kb)
+        for (int j = 0; j < NB && p * NB + j < N; ++j) {
+          float scale, scale2, mn;
+          read_block(sf, srcp + (p * NB + j) * row_bytes, kb, scale, scale2, mn, q);
+          put(dst + (p * KB + kb) * bytes, j, scale, scale2, mn, q);
+        }
+  });
+  return out;
+}
+
 }  // namespace
 
 // GGUF blocks -> panels. raw: uint8 [N, K / block_k * block_bytes], one row of W per row, as the
@@ -486,40 +523,20 @@ void read_block(SrcFmt s, const uint8_t* row, int64_t kb, float& d, float& d2, f
 torch::Tensor pack_q(torch::Tensor raw, int64_t src) {
   const SrcFmt sf = static_cast<SrcFmt>(src);
   TORCH_CHECK(src >= 0 && src <= 4, "pack_q: format must be 0 (Q4_1), 1 (Q8_0), 2 (Q4_0), 3 (Q4_K) or 4 (Q6_K), got ", src);
-  int64_t src_bytes, src_k;
-  src_layout(sf, src_bytes, src_k);
-  TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == torch::kUInt8 && raw.dim() == 2 &&
-                  raw.size(1) % src_bytes == 0 && raw.size(1) > 0,
-              "pack_q: raw blocks must be a uint8 CPU matrix [N, K/", src_k, " * ", src_bytes, "]");
-  raw = raw.contiguous();
   const QFmt f = sf == kSrcQ8_0 ? kQ8_0 : sf == kSrcQ6_K ? kQ8_16 : kQ4_1;
-  const int64_t N = raw.size(0), KB = raw.size(1) / src_bytes * (src_k / QB), NP = (N + NB - 1) / NB;
-  const int64_t bytes = q_block_bytes(f), row_bytes = raw.size(1);
-  auto out = torch::zeros({NP, KB, bytes}, raw.options());
-  const uint8_t* srcp = raw.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, NP, 1, [&](int64_t lo, int64_t hi) {
-    int q[QB];
-    for (int64_t p = lo; p < hi; ++p)
-      for (int64_t kb = 0; kb < KB; ++kb) {
-        uint8_t* blk = dst + (p * KB + kb) * bytes;
-        float* d = reinterpret_cast<float*>(blk);
-        uint8_t* qd = blk + q_offset(f);
-        for (int j = 0; j < NB && p * NB + j < N; ++j) {
-          float scale, scale2, mn;
-          read_block(sf, srcp + (p * NB + j) * row_bytes, kb, scale, scale2, mn, q);
-          d[j] = scale;
-          if (f == kQ8_16) d[NB + j] = scale2;
-          if (f == kQ4_1) {
-            d[NB + j] = mn;
-            for (int e = 0; e < QB; ++e) qd[e * 16 + j % 16] |= static_cast<uint8_t>(q[e] << (j < 16 ? 0 : 4));
-          } else {
-            for (int e = 0; e < QB; ++e) qd[e * NB + j] = static_cast<uint8_t>(static_cast<int8_t>(q[e]));
-          }
-        }
-      }
-  });
-  return out;
+  return regroup_blocks(raw, sf, q_block_bytes(f), "pack_q",
+                        [f](uint8_t* blk, int j, float d, float d2, float m, const int* q) {
+                          float* sc = reinterpret_cast<float*>(blk);
+                          uint8_t* qd = blk + q_offset(f);
+                          sc[j] = d;
+                          if (f == kQ8_16) sc[NB + j] = d2;
+                          if (f == kQ4_1) {
+                            sc[NB + j] = m;
+                            for (int e = 0; e < QB; ++e) qd[e * 16 + j % 16] |= static_cast<uint8_t>(q[e] << (j < 16 ? 0 : 4));
+                          } else {
+                            for (int e = 0; e < QB; ++e) qd[e * NB + j] = static_cast<uint8_t>(static_cast<int8_t>(q[e]));
+                          }
+                        });
 }
 
 // The dense float32 W [n, K] the panels hold (tests, and anything that wants the matrix back).
@@ -760,13 +777,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_int(const act_t
       c1[r] = _mm512_fmadd_ps(m1, sr, c1[r]);
     }
   }
-  __mmask16 mk0, mk1;
-  tail_masks(ncols, mk0, mk1);
-#pragma GCC unroll 16
-  for (int r = 0; r < MR; ++r) {
-    _mm512_mask_storeu_ps(c + r * ldc, mk0, c0[r]);
-    _mm512_mask_storeu_ps(c + r * ldc + 16, mk1, c1[r]);
-  }
+  store_rows<MR>(c, ldc, ncols, c0, c1);
 }
 
 // The same sums in plain C++, in the same order, so the results match the AVX-512 tile's bit for
@@ -866,39 +877,19 @@ torch::Tensor pack_int(torch::Tensor raw, int64_t src, int64_t bits) {
   const SrcFmt sf = static_cast<SrcFmt>(src);
   TORCH_CHECK(src >= 0 && src <= 3, "pack_int: format must be 0 (Q4_1), 1 (Q8_0), 2 (Q4_0) or 3 (Q4_K), got ", src);
   TORCH_CHECK(bits == 8 || bits == 16, "pack_int: activation bits must be 8 or 16, got ", bits);
-  int64_t src_bytes, src_k;
-  src_layout(sf, src_bytes, src_k);
-  TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == torch::kUInt8 && raw.dim() == 2 &&
-                  raw.size(1) % src_bytes == 0 && raw.size(1) > 0,
-              "pack_int: raw blocks must be a uint8 CPU matrix [N, K/", src_k, " * ", src_bytes, "]");
-  raw = raw.contiguous();
   const IFmt f = sf == kSrcQ8_0 ? kIQ8 : kIQ4;
-  const int64_t N = raw.size(0), KB = raw.size(1) / src_bytes * (src_k / QB), NP = (N + NB - 1) / NB;
-  const int64_t bytes = int_block_bytes(f), row_bytes = raw.size(1);
-  auto out = torch::zeros({NP, KB, bytes}, raw.options());
-  const uint8_t* srcp = raw.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, NP, 1, [&](int64_t lo, int64_t hi) {
-    int q[QB];
-    for (int64_t p = lo; p < hi; ++p)
-      for (int64_t kb = 0; kb < KB; ++kb) {
-        uint8_t* blk = dst + (p * KB + kb) * bytes;
-        float* d = reinterpret_cast<float*>(blk);
-        for (int j = 0; j < NB && p * NB + j < N; ++j) {
-          float scale, scale2, mn;
-          read_block(sf, srcp + (p * NB + j) * row_bytes, kb, scale, scale2, mn, q);
-          d[j] = scale;
-          if (f == kIQ4) d[NB + j] = mn;
-          for (int e = 0; e < QB; ++e) {
-            int64_t byte;
-            int shift;
-            int_pos(f, static_cast<int>(bits), e, j, byte, shift);
-            blk[int_offset(f) + byte] |= static_cast<uint8_t>((f == kIQ8 ? q[e] + 128 : q[e]) << shift);
-          }
-        }
-      }
-  });
-  return out;
+  return regroup_blocks(raw, sf, int_block_bytes(f), "pack_int",
+                        [f, bits](uint8_t* blk, int j, float d, float, float m, const int* q) {
+                          float* sc = reinterpret_cast<float*>(blk);
+                          sc[j] = d;
+                          if (f == kIQ4) sc[NB + j] = m;
+                          for (int e = 0; e < QB; ++e) {
+                            int64_t byte;
+                            int shift;
+                            int_pos(f, static_cast<int>(bits), e, j, byte, shift);
+                            blk[int_offset(f) + byte] |= static_cast<uint8_t>((f == kIQ8 ? q[e] + 128 : q[e]) << shift);
+                          }
+                        });
 }
 
 // The dense float32 W [n, K] = d*u + m that integer panels hold.
