@@ -61,6 +61,10 @@ class ModelConfig:
                or (self.dtype == "float32" and self.quantized_weights == "auto"),
                "matmul_dtype", "integer matrix products multiply a GGUF file's blocks: they need dtype float32 and "
                f"quantized_weights auto, got dtype {self.dtype!r}, quantized_weights {self.quantized_weights!r}")
+        _check(self.matmul_dtype not in ("int8", "int16")
+               or (self.device == "cpu" and self.linear_backend in ("auto", "cpp")), "matmul_dtype",
+               "integer matrix products run in the C++ GEMM on the CPU: they need device cpu and linear_backend "
+               f"auto or cpp, got device {self.device!r}, linear_backend {self.linear_backend!r}")
         _check(self.matmul_dtype != "bfloat16" or self.dtype in ("float32", "bfloat16"), "matmul_dtype",
                f"bfloat16 matrix products need dtype float32 or bfloat16, got dtype {self.dtype!r}")
 

@@ -81,6 +81,29 @@ def test_integer_gemm_is_the_same_on_every_code_path_and_exact_for_the_quantized
 
 
 @pytest.mark.parametrize("bits", BITS)
+def test_non_finite_inputs_give_nan_rows_on_every_path_and_tiny_blocks_contribute_nothing(bits):
+    """A NaN or infinity in a row makes that row's outputs NaN (as float32 products would), on the
+    AVX-512 and the portable path alike, and leaves the other rows as they were; a block whose
+    values are too small to scale (act_max / max|x| not finite) contributes 0."""
+    ext = gemm_ext()
+    raw, dense = _blocks(40, 96, "Q4_1")
+    wq = ext.pack_int(raw, 0, bits)
+    x = torch.randn(4, 96)
+    clean = x.clone()
+    x[1, 40] = float("nan")
+    x[2, 70] = float("inf")
+    x[3, :32] = 1e-38
+    paths = [p for p in ISAS.values() if p == 0 or ext.has_vnni()]
+    for p in paths:
+        y = ext.gemm_int(x, wq, 40, 0, bits, p)
+        assert torch.isnan(y[1]).all() and torch.isnan(y[2]).all(), p
+        assert torch.equal(y[0], ext.gemm_int(clean[:1], wq, 40, 0, bits, p)[0])
+        tail = clean[3:].clone()
+        tail[0, :32] = 0
+        assert torch.equal(y[3], ext.gemm_int(tail, wq, 40, 0, bits, p)[0])
+
+
+@pytest.mark.parametrize("bits", BITS)
 def test_integer_gemm_handles_zero_blocks_and_extreme_rows(bits):
     """A row whose block is all zero (scale 0) contributes nothing; a huge row stays accurate
     relative to its size."""
@@ -141,6 +164,10 @@ def test_integer_modes_are_validated():
         with pytest.raises(ConfigError, match="dtype"):
             ModelConfig(dtype="bfloat16", matmul_dtype=mm)
         assert ModelConfig(matmul_dtype=mm).matmul_dtype == mm
+        with pytest.raises(ConfigError, match="device"):
+            ModelConfig(matmul_dtype=mm, device="cuda")
+        with pytest.raises(ConfigError, match="linear_backend"):
+            ModelConfig(matmul_dtype=mm, linear_backend="onednn")
     with pytest.raises(ConfigError, match="matmul_dtype"):
         ModelConfig(matmul_dtype="int4")
     from batchserve.runner.models.llama import LlamaConfig
@@ -150,6 +177,9 @@ def test_integer_modes_are_validated():
     w = {"model.embed_tokens.weight": torch.randn(64, 32), "model.norm.weight": torch.ones(32)}
     with pytest.raises(ValueError, match="has none"):
         LlamaModel(cfg, w, matmul_dtype=torch.int8)
+    q6k_only = {"model.layers.0.mlp.down_proj.weight": (4, torch.zeros(32, 210, dtype=torch.uint8))}
+    with pytest.raises(ValueError, match="has none"):  # Q6_K blocks alone: nothing for the integer path
+        LlamaModel(cfg, w, matmul_dtype=torch.int16, quantized=q6k_only)
 
 
 def test_the_cli_flag_reaches_the_config():

@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -655,29 +656,50 @@ using act_t = std::conditional_t<BITS == 8, int8_t, int16_t>;
 template <int BITS>
 constexpr float act_max() { return BITS == 8 ? 127.f : 32767.f; }
 
+// A block's scale from its largest |x|: amax / act_max, and the factor that maps x to quants. A
+// block holding NaN or infinity gets a NaN scale and zero quants, so its row's outputs come out
+// NaN as the float32 path's would; a block too small for act_max / amax to be finite (|x| below
+// ~1e-34) contributes 0.
+template <int BITS>
+inline bool block_scale(float amax, float& inv, float& da, float& sa) {
+  if (!std::isfinite(amax)) {
+    inv = 0.f, da = sa = std::numeric_limits<float>::quiet_NaN();
+    return false;
+  }
+  inv = amax > 0.f ? act_max<BITS>() / amax : 0.f;
+  if (!std::isfinite(inv)) inv = 0.f;
+  da = inv > 0.f ? amax / act_max<BITS>() : 0.f;
+  return true;
+}
+
 // One block of 32 of x's row -> BITS-bit quants, its scale da and sa = da * (sum of the quants).
 template <int BITS>
 void quantize_row_block(const float* v, act_t<BITS>* q, float& da, float& sa) {
   float amax = 0.f;
-  for (int i = 0; i < QB; ++i) amax = std::max(amax, std::fabs(v[i]));
-  const float inv = amax > 0.f ? act_max<BITS>() / amax : 0.f;
+  for (int i = 0; i < QB; ++i) amax = std::isnan(v[i]) ? v[i] : std::max(amax, std::fabs(v[i]));
+  float inv;
+  const bool ok = block_scale<BITS>(amax, inv, da, sa);
   int sum = 0;
   for (int i = 0; i < QB; ++i) {
-    const int t = static_cast<int>(std::nearbyint(v[i] * inv));
+    const int t = ok ? static_cast<int>(std::nearbyint(v[i] * inv)) : 0;
     q[i] = static_cast<act_t<BITS>>(t);
     sum += t;
   }
-  da = amax / act_max<BITS>();
-  sa = da * static_cast<float>(sum);
+  if (ok) sa = da * static_cast<float>(sum);
 }
 
 template <int BITS>
 __attribute__((target("avx512f,avx512bw"))) void quantize_row_block512(const float* v, act_t<BITS>* q, float& da,
                                                                        float& sa) {
   const __m512 x0 = _mm512_loadu_ps(v), x1 = _mm512_loadu_ps(v + 16);
-  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-  const __m512 inv = _mm512_set1_ps(amax > 0.f ? act_max<BITS>() / amax : 0.f);
-  const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, inv));
+  const bool nan = (_mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q)) != 0;
+  const float amax = nan ? std::numeric_limits<float>::quiet_NaN()
+                         : _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+  float f;
+  const bool ok = block_scale<BITS>(amax, f, da, sa);
+  const __m512 inv = _mm512_set1_ps(f);
+  const __m512i q0 = ok ? _mm512_cvtps_epi32(_mm512_mul_ps(x0, inv)) : _mm512_setzero_si512();
+  const __m512i q1 = ok ? _mm512_cvtps_epi32(_mm512_mul_ps(x1, inv)) : _mm512_setzero_si512();
   if constexpr (BITS == 8) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(q0));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(q1));
@@ -685,8 +707,7 @@ __attribute__((target("avx512f,avx512bw"))) void quantize_row_block512(const flo
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm512_cvtepi32_epi16(q0));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16), _mm512_cvtepi32_epi16(q1));
   }
-  da = amax / act_max<BITS>();
-  sa = da * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+  if (ok) sa = da * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
 }
 
 template <int BITS>

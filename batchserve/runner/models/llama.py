@@ -6,6 +6,8 @@ one matrix each at load time, so a layer is four matrix products.
 """
 from __future__ import annotations
 
+import logging
+
 import math
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -15,6 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchserve.runner.attention import AttnMeta, paged_attention
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -284,12 +288,17 @@ class LlamaModel(nn.Module):
             what = f"matmul_dtype int{act_bits}"
             if self.embed.dtype != torch.float32 or self.embed.device.type != "cpu":
                 raise ValueError(f"{what} needs float32 weights on the CPU")
-            if not quantized:
-                raise ValueError(f"{what} multiplies a GGUF file's 4-/8-bit blocks, and this model has none "
-                                 "(a GGUF file with Q4_0/Q4_1/Q4_K/Q8_0 tensors, quantized_weights auto)")
+            if not any(src in INT_SOURCES for src, _ in (quantized or {}).values()):
+                raise ValueError(f"{what} multiplies a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 blocks, and this model has "
+                                 "none (a GGUF file with such tensors, quantized_weights auto)")
             if linear_backend not in ("auto", "cpp") or not cpp_linear_ok(self.embed):
                 raise RuntimeError(f"{what} needs the C++ GEMM (linear_backend auto or cpp, and a C++ "
                                    "toolchain to build it)")
+            from batchserve.runner.kernels import gemm_ext
+
+            if not gemm_ext().has_vnni():
+                log.warning("%s: this CPU has no AVX512-VNNI, so the integer products run in plain C++ and are "
+                            "much slower than --matmul-dtype float32", what)
             linear_backend, mm = "cpp", torch.float32
         elif mm != self.embed.dtype and (self.embed.dtype != torch.float32 or mm != torch.bfloat16):
             raise ValueError(f"matmul_dtype {mm} with {self.embed.dtype} weights: only bfloat16 matrix products "
