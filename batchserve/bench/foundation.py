@@ -20,7 +20,6 @@ from batchserve.bench.roofline import (decode_ceiling, linear_params, measure_ma
 from batchserve.core.batch import ScheduledBatch, ScheduledSeq
 from batchserve.core.kv_cache import KVCacheManager
 from batchserve.request import SamplingParams
-from batchserve.runner.models.llama import Linear
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -120,12 +119,10 @@ def main(argv: list[str] | None = None) -> None:
 
     llm = LLM(kv_cache_gb=2.0, max_num_seqs=64, max_num_batched_tokens=2048, matmul_dtype=a.matmul_dtype)
     runner, cfg = llm.engine.executor, llm.engine.executor.cfg
-    bits = max([lin.act_bits for layer in runner.model.layers for lin in layer.values() if isinstance(lin, Linear)]
-               + [runner.model.lm_head.act_bits])
-    integer = bits > 0  # the products run as integer dot products
-    mmd = f"int{bits}"
+    integer = runner.model.act_bits > 0  # the products run as integer dot products
+    mmd = f"int{runner.model.act_bits}"
     mach = measure_machine(cfg)
-    mach8 = measure_machine(cfg, dtype=getattr(torch, mmd)) if integer else None
+    mach_int = measure_machine(cfg, dtype=getattr(torch, mmd)) if integer else None
     qm = runner.model.quantized_matrices
     wbytes = stored_weight_bytes(runner.model)
     fp32_bytes = 4 * (linear_params(cfg) + cfg.vocab_size * cfg.hidden_size)  # what the fp32 ceiling counts
@@ -137,8 +134,8 @@ def main(argv: list[str] | None = None) -> None:
                          for b, by_m in (mach.by_backend or {}).items())
              + f"); memory {mach.bandwidth_gbs:.1f} GB/s."
              + (f" {mmd} dot products on Q4_1 blocks at the model's shapes: "
-                + ", ".join(f"M={m}: {r:.0f}" for m, r in mach8.matmul_gflops.items())
-                + f" GOP/s (peak {mach8.peak_gflops:.0f})." if integer else "")
+                + ", ".join(f"M={m}: {r:.0f}" for m, r in mach_int.matmul_gflops.items())
+                + f" GOP/s (peak {mach_int.peak_gflops:.0f})." if integer else "")
              + f" The model runs on {runner.model.linear_backend}"
              + (f", {qm} of its matrices from their GGUF blocks ({wbytes / 1e6:.0f} MB read per decode step "
                 f"against {fp32_bytes / 1e6:.0f} MB as float32)" if qm else "") + ".", "",
@@ -153,12 +150,11 @@ def main(argv: list[str] | None = None) -> None:
         lin = linear_only(runner.model, b)
         ceil = decode_ceiling(cfg, mach, b, 128)
         own = decode_ceiling(cfg, mach, b, 128, weight_bytes=wbytes)
+        own_int = decode_ceiling(cfg, mach_int, b, 128, weight_bytes=wbytes) if integer else 0.0
         lines.append(f"| {b} | {step * 1e3:.1f} | {lin * 1e3:.1f} | {step / lin:.2f} | {b / step:.0f} | "
                      f"{ceil:.0f} | {100 * b / step / ceil:.0f}% |"
                      + (f" {own:.0f} | {100 * b / step / own:.0f}% |" if qm else "")
-                     + (f" {decode_ceiling(cfg, mach8, b, 128, weight_bytes=wbytes):.0f} | "
-                        f"{100 * b / step / decode_ceiling(cfg, mach8, b, 128, weight_bytes=wbytes):.0f}% |"
-                        if integer else ""))
+                     + (f" {own_int:.0f} | {100 * b / step / own_int:.0f}% |" if integer else ""))
         for i in range(b):
             kv.free(f"d{i}")
     for plen, nseq in ((512, 1), (256, 4)):
@@ -169,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
                                      True, GREEDY, 0))
         t = median_time(lambda: runner.execute(ScheduledBatch(seqs)), 3)
         rate, ceil = plen * nseq / t, prefill_ceiling(cfg, mach, plen)
-        c8 = prefill_ceiling(cfg, mach8, plen) if integer else 0.0
+        c8 = prefill_ceiling(cfg, mach_int, plen) if integer else 0.0
         lines.append(f"\nPrefill {nseq} x {plen} tokens: {t * 1e3:.0f} ms, {rate:.0f} tok/s; ceiling "
                      f"{ceil:.0f} tok/s ({100 * rate / ceil:.0f}%)"
                      + (f"; at the {mmd} rate {c8:.0f} tok/s ({100 * rate / c8:.0f}%)" if integer else "") + ".")
@@ -190,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     # The run's floor: its prompt tokens cannot go faster than the prefill ceiling, nor its output
     # tokens than the decode ceiling at the batch it runs at; a decode-only ceiling ignores the former.
     ptoks = sum(len(p) for p, _ in work)
-    fm = mach8 if integer else mach  # the rate of the arithmetic the engine runs
+    fm = mach_int if integer else mach  # the rate of the arithmetic the engine runs
     own = decode_ceiling(cfg, fm, max(1, round(res["mean_batch"])), 200 + 64, weight_bytes=wbytes)
     floor_s = ptoks / prefill_ceiling(cfg, fm, round(ptoks / len(work))) + res["tokens"] / own
     lines.append(f"\nThat run's own floor: its {ptoks} prompt tokens at the prefill ceiling plus its output tokens at "

@@ -13,7 +13,7 @@ from batchserve.core.batch import ScheduledBatch, StepOutput
 from batchserve.runner.attention import AttnMeta
 from batchserve.runner.kernels import fused_ops_ext, paged_attention_ext
 from batchserve.runner.loader import LoadedModel
-from batchserve.runner.models.llama import INT_SOURCES, LlamaModel
+from batchserve.runner.models.llama import LlamaModel, has_int_blocks
 from batchserve.runner.sampler import sample
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ def resolve_matmul_dtype(model_cfg: ModelConfig, loaded: LoadedModel) -> torch.d
         return None if model_cfg.matmul_dtype == model_cfg.dtype else getattr(torch, model_cfg.matmul_dtype)
     if (model_cfg.dtype != "float32" or model_cfg.device != "cpu" or model_cfg.quantized_weights != "auto"
             or model_cfg.linear_backend not in ("auto", "cpp")
-            or not any(src in INT_SOURCES for src, _ in (loaded.quantized or {}).values())):
+            or not has_int_blocks(loaded.quantized)):
         return None
     from batchserve.runner.kernels import gemm_ext
 

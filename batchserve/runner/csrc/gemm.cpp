@@ -872,14 +872,19 @@ void run_int(const torch::Tensor& x, const uint8_t* w, int64_t n, IFmt f, bool v
   else
     table = vec ? (f == kIQ4 ? tile_i16_q4_table : tile_i16_q8_table)
                 : (f == kIQ4 ? tile_i16p_q4_table : tile_i16p_q8_table);
-  std::vector<act_t<BITS>> xq(M * K);
-  std::vector<float> da(M * KB), sa(M * KB);
-  quantize_rows<BITS>(x.data_ptr<float>(), M, K, vec, xq.data(), da.data(), sa.data());
+  // x's quants and block scales, kept by the calling thread between calls (no allocation per product)
+  thread_local std::vector<act_t<BITS>> xq;
+  thread_local std::vector<float> da, sa;
+  xq.resize(M * K), da.resize(M * KB), sa.resize(M * KB);
+  // plain pointers for the worker threads (inside them the thread_local names are their own copies)
+  act_t<BITS>* xqp = xq.data();
+  float *dap = da.data(), *sap = sa.data();
+  quantize_rows<BITS>(x.data_ptr<float>(), M, K, vec, xqp, dap, sap);
   const int64_t mr_max = vec ? MRI : 4;
   for_panels(M, NP, MCHUNK, [&](int64_t p, int64_t m_lo, int64_t rows) {
     const int ncols = static_cast<int>(std::min<int64_t>(NB, n - p * NB));
     for_row_blocks(m_lo, rows, mr_max, [&](int64_t m0, int64_t mr) {
-      table[mr](xq.data() + m0 * K, K, da.data() + m0 * KB, sa.data() + m0 * KB, w + p * KB * bytes,
+      table[mr](xqp + m0 * K, K, dap + m0 * KB, sap + m0 * KB, w + p * KB * bytes,
                 c + m0 * n + p * NB, n, ncols);
     });
   });

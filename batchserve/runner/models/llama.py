@@ -165,6 +165,11 @@ INT_SOURCES = frozenset({0, 1, 2, 3})
 INT_MATMUL = {torch.int8: 8, torch.int16: 16}  # matmul_dtype -> activation bits
 
 
+def has_int_blocks(quantized: dict[str, tuple[int, torch.Tensor]] | None) -> bool:
+    """Whether any of a model's GGUF blocks (LoadedModel.quantized) can run as integer products."""
+    return any(src in INT_SOURCES for src, _ in (quantized or {}).values())
+
+
 class Linear:
     """y = x W^T on one of three backends, the weight stored once in that backend's layout:
     `cpp`: the C++ panel GEMM on weights packed into 32-column panels (bf16 weights: bf16 panels,
@@ -288,7 +293,7 @@ class LlamaModel(nn.Module):
             what = f"matmul_dtype int{act_bits}"
             if self.embed.dtype != torch.float32 or self.embed.device.type != "cpu":
                 raise ValueError(f"{what} needs float32 weights on the CPU")
-            if not any(src in INT_SOURCES for src, _ in (quantized or {}).values()):
+            if not has_int_blocks(quantized):
                 raise ValueError(f"{what} multiplies a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 blocks, and this model has "
                                  "none (a GGUF file with such tensors, quantized_weights auto)")
             if linear_backend not in ("auto", "cpp") or not cpp_linear_ok(self.embed):
@@ -304,6 +309,7 @@ class LlamaModel(nn.Module):
             raise ValueError(f"matmul_dtype {mm} with {self.embed.dtype} weights: only bfloat16 matrix products "
                              "over float32 weights (or int8 / int16 ones over a GGUF file's blocks) are supported")
         self.matmul_dtype = mm
+        self.act_bits = act_bits  # integer products' activation bits (0: none)
         self.int_matrices = 0
         if linear_backend == "onednn" and not onednn_linear_ok(self.embed):
             raise RuntimeError("linear_backend=onednn: oneDNN linear is not available here (needs fp32 on a CPU "
