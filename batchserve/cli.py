@@ -34,7 +34,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("kv cache")
     g.add_argument("--kv-cache-gb", type=float, default=CacheConfig.kv_cache_gb)
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="KV cache storage (auto: as --dtype); bfloat16 halves the bytes per token")
+                   help="KV cache storage (auto: float16 where the C++ attention kernels run on the CPU, else as "
+                        "--dtype); 16 bits halve the bytes per token; float32 for an exact cache")
     g.add_argument("--block-size", type=int, default=CacheConfig.block_size)
     g.add_argument("--num-blocks", type=int, default=None, help="override the pool size")
     g.add_argument("--prefix-caching", action="store_true")

@@ -78,8 +78,9 @@ class CacheConfig:
     kv_cache_gb: float = 1.0
     num_blocks: int | None = None
     prefix_caching: bool = False
-    # auto: the model's dtype; bfloat16: K/V stored in bf16 (half the bytes, twice the tokens per GB;
-    # attention math stays in the model's dtype)
+    # auto: float16 where the C++ attention kernels run (a float32 model on the CPU), else the model's
+    # dtype (runner.model_runner.resolve_kv_cache_dtype); bfloat16 / float16: K/V stored in 16 bits
+    # (half the bytes, twice the tokens per GB; attention math stays in the model's dtype)
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:

@@ -48,7 +48,7 @@ def test_mixed_batch_matches_full_causal_attention(backend):
             flat += n
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("hd,g,bs", [(64, 3, 16), (32, 1, 5), (20, 2, 4)])  # hd 20: the portable path
 def test_decode_kernel_matches_gathered_attention(cache_dtype, hd, g, bs):
     """The C++ decode kernel against softmax(q k) v over each sequence's gathered history, with
@@ -79,7 +79,7 @@ def test_decode_kernel_matches_gathered_attention(cache_dtype, hd, g, bs):
         torch.testing.assert_close(out[i].double(), torch.einsum("hn,nhd->hd", p, v), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("hd,g,bs", [(64, 3, 16), (128, 4, 16), (64, 1, 5)])
 def test_prefill_kernel_matches_float64(cache_dtype, hd, g, bs):
     """The C++ prompt-chunk kernel against softmax(q k^T + causal mask) v in float64 over each
@@ -117,3 +117,61 @@ def test_prefill_kernel_matches_float64(cache_dtype, hd, g, bs):
         ref = torch.einsum("hqk,khd->qhd", p, vv)
         torch.testing.assert_close(out[flat:flat + n].double(), ref, rtol=1e-4, atol=1e-4)
         flat += n
+
+
+def test_float16_cache_saturates_instead_of_overflowing():
+    """A K/V value past float16's range is stored as +-65504 on both write paths (the PyTorch
+    index_copy and the C++ fused RoPE store), so attention stays finite; NaN stays NaN."""
+    from batchserve.runner.attention import to_cache_dtype
+    from batchserve.runner.kernels import fused_ops_ext
+
+    x = torch.tensor([1e6, -1e6, 65519.0, 65520.0, 1.0, float("nan"), float("inf")])
+    got = to_cache_dtype(x, torch.float16)
+    assert got[:5].tolist() == [65504.0, -65504.0, 65504.0, 65504.0, 1.0]
+    assert got[5].isnan() and got[6] == 65504.0
+    assert torch.equal(to_cache_dtype(x[:5], torch.float32), x[:5])  # float32 caches are left alone
+    ext = fused_ops_ext()
+    if ext is None:
+        return
+    nh, nkv, hd, T = 2, 1, 16, 2
+    qkv = torch.randn(T, (nh + 2 * nkv) * hd)
+    qkv[0, nh * hd] = 1e6  # a key element (unrotated: cos 1, sin 0)
+    qkv[1, (nh + nkv) * hd + 3] = -1e9  # a value element
+    qkv[1, (nh + nkv) * hd + 4] = float("nan")
+    cos, sin = torch.ones(T, hd // 2), torch.zeros(T, hd // 2)
+    kc, vc = torch.zeros(8, nkv, hd, dtype=torch.float16), torch.zeros(8, nkv, hd, dtype=torch.float16)
+    ext.rope_store(qkv, cos, sin, torch.tensor([5, 2]), kc, vc, nh, nkv)
+    assert kc[5, 0, 0] == 65504.0 and vc[2, 0, 3] == -65504.0 and vc[2, 0, 4].isnan()
+    kernel = paged_attention_ext()
+    q = torch.randn(1, nh, hd) * 1e-3
+    out = kernel.paged_decode(q, kc, kc, torch.tensor([[0, 1]]), torch.tensor([8]), 4, hd ** -0.5)
+    assert torch.isfinite(out).all()  # 65504 keys, not infinities
+
+
+def test_portable_float16_conversions_match_torch():
+    """The float16 conversions that run where F16C is missing (cpu_math.h), against torch: every
+    one of the 65,536 halves widened, and floats around every rounding case narrowed (normals,
+    subnormals, ties to even, the largest finite half, signed zeros)."""
+    from batchserve.runner.kernels import fused_ops_ext
+
+    ext = fused_ops_ext()
+    if ext is None:
+        pytest.skip("C++ toolchain not available here")
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    want = bits.view(torch.float16).float()
+    got = ext.fp16_to_float_portable(bits)
+    finite = ~want.isnan()
+    assert torch.equal(got[finite].view(torch.int32), want[finite].view(torch.int32))  # bit for bit, -0 too
+    assert got[~finite].isnan().all()
+    # every half, its neighbours in float32 and the midpoints between consecutive halves (ties)
+    h = want[finite & (want.abs() < 65504)].unique()
+    mids = (h[:-1].double() + h[1:].double()) / 2
+    xs = torch.cat([h, torch.nextafter(h, torch.full_like(h, 1e9)), torch.nextafter(h, torch.full_like(h, -1e9)),
+                    mids.float(), torch.tensor([-0.0, 65504.0, -65504.0, 2.0 ** -25, 2.0 ** -24, 3 * 2.0 ** -26])])
+    xs = xs[xs.abs() <= 65504]
+    got = ext.fp16_from_float_portable(xs).view(torch.float16)
+    want = xs.to(torch.float16)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    big = torch.tensor([65520.0, 1e30, float("inf"), -float("inf"), float("nan")])
+    sat = ext.fp16_from_float_portable(big).view(torch.float16).float()
+    assert sat[:3].tolist() == [65504.0] * 3 and sat[3] == -65504.0 and sat[4].isnan()

@@ -13,7 +13,7 @@ from batchserve.core.batch import ScheduledBatch, ScheduledSeq
 from batchserve.core.kv_cache import KVCacheManager
 from batchserve.profile import TINY_MODEL
 from batchserve.request import SamplingParams
-from batchserve.runner.kernels import fused_ops_ext
+from batchserve.runner.kernels import fused_ops_ext, paged_attention_ext
 from batchserve.runner.loader import load_model
 from batchserve.runner.model_runner import ModelRunner
 from batchserve.runner.models.llama import apply_rope
@@ -89,7 +89,7 @@ def test_silu_mul(ext, dtype):
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
 
 
-def _runner(loaded, kv_cache_dtype: str = "auto", **kw) -> ModelRunner:
+def _runner(loaded, kv_cache_dtype: str = "float32", **kw) -> ModelRunner:
     return ModelRunner(copy.copy(loaded), ModelConfig(model="dummy", dummy_config=TINY_MODEL, **kw),
                        CacheConfig(block_size=4, num_blocks=64, kv_cache_dtype=kv_cache_dtype))
 
@@ -140,18 +140,35 @@ def test_matmul_dtype_is_validated():
     assert ModelConfig(matmul_dtype="bfloat16").matmul_dtype == "bfloat16"
 
 
-def test_bf16_kv_cache_matches_across_paths_and_doubles_capacity():
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_16bit_kv_cache_matches_across_paths_and_doubles_capacity(dtype):
     loaded = load_model(ModelConfig(model="dummy", dummy_config=TINY_MODEL))
     mcfg = ModelConfig(model="dummy", dummy_config=TINY_MODEL)
-    fp32 = ModelRunner(copy.copy(loaded), mcfg, CacheConfig(kv_cache_gb=0.01))
-    half = ModelRunner(copy.copy(loaded), mcfg, CacheConfig(kv_cache_gb=0.01, kv_cache_dtype="bfloat16"))
-    assert half.kv_caches[0][0].dtype == torch.bfloat16
+    fp32 = ModelRunner(copy.copy(loaded), mcfg, CacheConfig(kv_cache_gb=0.01, kv_cache_dtype="float32"))
+    half = ModelRunner(copy.copy(loaded), mcfg, CacheConfig(kv_cache_gb=0.01, kv_cache_dtype=dtype))
+    assert half.kv_caches[0][0].dtype == getattr(torch, dtype)
     assert half.num_blocks // 2 == fp32.num_blocks  # same memory, twice the tokens
-    ref = _three_steps(_runner(loaded))
-    plain = _three_steps(_runner(loaded, attention_backend="torch", kv_cache_dtype="bfloat16"))
-    fast = _three_steps(_runner(loaded, kv_cache_dtype="bfloat16"))
+    ref = _three_steps(_runner(loaded, kv_cache_dtype="float32"))
+    plain = _three_steps(_runner(loaded, attention_backend="torch", kv_cache_dtype=dtype))
+    fast = _three_steps(_runner(loaded, kv_cache_dtype=dtype))
     for r, a, b in zip(ref, plain, fast):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)  # both paths store the same bf16 values
-        assert 0 < (a - r).abs().max() < 0.05 * r.abs().max()
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)  # both paths store the same 16-bit values
+        assert 0 < (a - r).abs().max() < (0.05 if dtype == "bfloat16" else 0.01) * r.abs().max()
     with pytest.raises(ConfigError, match="kv_cache_dtype"):
         CacheConfig(kv_cache_dtype="int8")
+
+
+def test_kv_cache_dtype_auto_is_float16_where_the_cpp_kernels_run():
+    """`auto` stores K/V as float16 for a float32 model on the CPU with the C++ attention kernels,
+    and as the model's dtype on the PyTorch attention path; an explicit dtype is kept."""
+    from batchserve.runner.model_runner import resolve_kv_cache_dtype
+
+    auto, cache32 = CacheConfig(), CacheConfig(kv_cache_dtype="float32")
+    torch_path = ModelConfig(model="dummy", attention_backend="torch")
+    assert resolve_kv_cache_dtype(torch_path, auto) == torch.float32
+    assert resolve_kv_cache_dtype(ModelConfig(model="dummy", dtype="bfloat16"), auto) == torch.bfloat16
+    assert resolve_kv_cache_dtype(ModelConfig(model="dummy"), cache32) == torch.float32
+    if paged_attention_ext() is not None and fused_ops_ext() is not None:
+        assert resolve_kv_cache_dtype(ModelConfig(model="dummy"), auto) == torch.float16
+        loaded = load_model(ModelConfig(model="dummy", dummy_config=TINY_MODEL))
+        assert _runner(loaded, "auto").kv_caches[0][0].dtype == torch.float16

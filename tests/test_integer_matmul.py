@@ -199,7 +199,8 @@ def test_smollm2_in_integer_modes_stays_close_to_float32():
     from batchserve.engine.engine import tokenize
     from batchserve.llm import LLM
 
-    llms = {mm: LLM(matmul_dtype=mm, kv_cache_gb=0.05) for mm in ("float32", "int8", "int16")}
+    # a float32 cache for all three: only the products differ
+    llms = {mm: LLM(matmul_dtype=mm, kv_cache_gb=0.05, kv_cache_dtype="float32") for mm in ("float32", "int8", "int16")}
     layers = llms["float32"].engine.executor.model.cfg.num_layers
     assert llms["float32"].engine.executor.model.int_matrices == 0
     for mm, bits in (("int8", 8), ("int16", 16)):

@@ -46,18 +46,19 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module")
 def llm32():
-    """The default model with float32 matrix products (matmul_dtype float32): the arithmetic
+    """The default model with float32 matrix products and a float32 KV cache: the arithmetic
     transformers does, so logits can be compared tightly."""
     from batchserve.llm import LLM
 
-    return LLM(kv_cache_gb=0.1, matmul_dtype="float32")
+    return LLM(kv_cache_gb=0.1, matmul_dtype="float32", kv_cache_dtype="float32")
 
 
-@pytest.mark.parametrize("mode, tol", [("float32", 1e-4), ("auto", 1e-3)])
+@pytest.mark.parametrize("mode, tol", [("float32", 1e-4), ("auto", 2e-3)])
 def test_logits_match_transformers(mode, tol, llm, llm32, hf_model):
     """Prefill and 16 decode steps of 4 prompts against transformers on the same GGUF weights:
-    within 1e-4 of the largest logit with float32 products; within 1e-3 with the default
-    products (int16 dot products on the blocks where the CPU has AVX512-VNNI)."""
+    within 1e-4 of the largest logit with float32 products and cache; within 2e-3 with the
+    defaults (int16 dot products on the blocks where the CPU has AVX512-VNNI, a float16 cache:
+    measured 2.6e-4 and 8.6e-4 apart, 8.5e-4 together)."""
     runner = (llm32 if mode == "float32" else llm).engine.executor
     tok = llm.tokenizer
     prompts = [tok.encode(p) for p in PROMPTS[:4]]
@@ -148,7 +149,7 @@ def test_hf_directory_gives_the_same_logits(llm32, tmp_path):
 
     save_hf_dir(load_model(ModelConfig()), str(tmp_path))
     assert (tmp_path / "config.json").exists() and (tmp_path / "model.safetensors").exists()
-    other = LLM(model=str(tmp_path), kv_cache_gb=0.05)
+    other = LLM(model=str(tmp_path), kv_cache_gb=0.05, kv_cache_dtype="float32")  # as llm32
     ids = llm.tokenizer.encode(PROMPTS[0])
     assert other.tokenizer.encode(PROMPTS[0]) == ids
     r = Request("x", ids, GREEDY, 0.0)

@@ -102,6 +102,17 @@ class AttnMeta:
         return meta
 
 
+FP16_MAX = 65504.0
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """K or V rows as the cache stores them; float16 saturates at +-65504 (as the C++ store does)
+    instead of overflowing to infinity, which would make every score of the row NaN."""
+    if dtype == torch.float16 and x.dtype != torch.float16:
+        x = x.clamp(-FP16_MAX, FP16_MAX)
+    return x.to(dtype)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta,
                     stored: bool = False) -> torch.Tensor:
@@ -109,8 +120,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     (unless `stored`: the caller already did), then returns the attention output [T, n_h, hd]."""
     T, n_h, hd = q.shape
     if not stored:
-        k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        k_cache.index_copy_(0, meta.slot_mapping, to_cache_dtype(k, k_cache.dtype))
+        v_cache.index_copy_(0, meta.slot_mapping, to_cache_dtype(v, v_cache.dtype))
     if (meta.kernel is not None and not meta.prefills and meta.dec_contiguous
             and meta.dec_hi - meta.dec_lo == T):  # a pure decode step: the kernel's output is the answer
         return meta.kernel.paged_decode(q, k_cache, v_cache, meta.dec_tables, meta.dec_lens,

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from batchserve.config import EngineConfig, kv_cache_dtype_name
+from batchserve.config import EngineConfig
 from batchserve.core.batch import ScheduledBatch, StepOutput
 
 log = logging.getLogger(__name__)
@@ -76,6 +76,7 @@ class CascadeWorkersExecutor:
 
     def __init__(self, config: EngineConfig) -> None:
         from batchserve.runner.loader import load_model
+        from batchserve.runner.model_runner import resolve_kv_cache_dtype
 
         # the parent needs only the model's shape: one throwaway load (weights are dropped)
         loaded = load_model(config.model)
@@ -83,7 +84,7 @@ class CascadeWorkersExecutor:
         del loaded
         c = self.cfg
         self.block_size = config.cache.block_size
-        dtype = getattr(torch, kv_cache_dtype_name(config.model, config.cache))
+        dtype = resolve_kv_cache_dtype(config.model, config.cache)  # what the workers' caches hold
         self._staging = torch.zeros((STAGING_BLOCKS, c.num_layers, 2, self.block_size, c.num_kv_heads, c.head_dim),
                                     dtype=dtype).share_memory_()
         self.block_bytes = self._staging[0].numel() * self._staging.element_size()

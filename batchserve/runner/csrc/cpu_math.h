@@ -6,6 +6,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 namespace batchserve {
 
 // bf16 <-> fp32 on the raw 16 bits: a bf16 value is the top half of the fp32 with the same sign,
@@ -23,6 +27,71 @@ inline uint16_t float_to_bf16(float f) {
   std::memcpy(&u, &f, sizeof(u));
   u += 0x7FFFu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);
+}
+
+// IEEE binary16 (float16) cache elements as raw bits, in a type of their own so that overloads
+// tell them from bf16 (a bare uint16_t). Widening is exact. Narrowing rounds to nearest even and
+// saturates at +-65504, the largest finite half: a K or V value past it is stored as the largest
+// half, not as infinity (which would turn a whole attention row into NaN); NaN stays NaN.
+struct fp16_t {
+  uint16_t bits;
+};
+constexpr float kFp16Max = 65504.0f;
+
+inline float fp16_to_float_portable(fp16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h.bits & 0x8000u) << 16;
+  const uint32_t e = (h.bits >> 10) & 0x1Fu, m = h.bits & 0x3FFu;
+  uint32_t u;
+  if (e == 0) {  // zero or subnormal: m * 2^-24, exact in fp32
+    float f = static_cast<float>(m) * 5.9604644775390625e-08f;
+    std::memcpy(&u, &f, sizeof(u));
+    u |= sign;
+  } else if (e == 31) {  // infinity or NaN
+    u = sign | 0x7F800000u | (m << 13);
+  } else {  // rebias the exponent (15 -> 127)
+    u = sign | ((e + 112u) << 23) | (m << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+inline fp16_t float_to_fp16_portable(float f) {
+  f = std::min(std::max(f, -kFp16Max), kFp16Max);  // a NaN compares false both times and stays
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  const uint32_t a = u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return {static_cast<uint16_t>(sign | 0x7E00u)};  // NaN
+  if (a >= 0x38800000u) {  // |f| >= 2^-14: a normal half; drop 13 mantissa bits, ties to even
+    const uint32_t r = a + 0xFFFu + ((a >> 13) & 1u) - 0x38000000u;  // and rebias 127 -> 15
+    return {static_cast<uint16_t>(sign | (r >> 13))};
+  }
+  // Subnormal (or zero): adding 0.5, whose ulp is 2^-24, leaves round(|f| * 2^24) to nearest
+  // even in the low mantissa bits; 1024 there is the smallest normal, also the right bits.
+  float fa;
+  std::memcpy(&fa, &a, sizeof(fa));
+  fa += 0.5f;
+  uint32_t r;
+  std::memcpy(&r, &fa, sizeof(r));
+  return {static_cast<uint16_t>(sign | (r - 0x3F000000u))};
+}
+
+inline float fp16_to_float(fp16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h.bits);
+#else
+  return fp16_to_float_portable(h);
+#endif
+}
+
+inline fp16_t float_to_fp16(float f) {
+#if defined(__F16C__)
+  f = std::min(std::max(f, -kFp16Max), kFp16Max);
+  return {static_cast<uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT))};
+#else
+  return float_to_fp16_portable(f);
+#endif
 }
 
 // exp(x) for x <= 0: Cody-Waite range reduction to |r| < ln2/2, a degree-7 Taylor polynomial

@@ -1,10 +1,12 @@
 // The small per-layer operations around the matrix products, fused so that a layer is a handful
 // of calls instead of forty: at decode batch 32 each PyTorch elementwise call costs 2-15 us, and
 // a step makes about 45 of them per layer. Activations entering or leaving a matrix product may
-// be float32 or bfloat16 (the bf16 matmul mode); the residual stream, norms, RoPE, the KV cache
-// and attention stay float32.
+// be float32 or bfloat16 (the bf16 matmul mode); the residual stream, norms, RoPE and attention
+// stay float32, and the KV cache is stored as float32, bfloat16 or float16.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
@@ -19,6 +21,7 @@ namespace {
 using batchserve::bf16_to_float;
 using batchserve::exp_nonpos;
 using batchserve::float_to_bf16;
+using batchserve::fp16_t;
 
 // Rows per parallel task: below about 256k elements one thread is faster than waking two (and
 // does not stall when the other core is busy).
@@ -81,11 +84,23 @@ torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> delta, 
 
 namespace {
 
-// One token's K or V row into the cache, as float32 or bfloat16.
+// One token's K or V row into the cache, as float32, bfloat16 or float16 (saturating, see
+// cpu_math.h).
 template <typename C>
 inline void store_row(C* dst, const float* src, int64_t n) {
   if constexpr (std::is_same<C, uint16_t>::value) {
     for (int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i]);
+  } else if constexpr (std::is_same<C, fp16_t>::value) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    const __m512 lo = _mm512_set1_ps(-batchserve::kFp16Max), hi = _mm512_set1_ps(batchserve::kFp16Max);
+    for (; i + 16 <= n; i += 16) {  // max/min return their second operand for a NaN: it stays NaN
+      const __m512 x = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_loadu_ps(src + i)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                          _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+#endif
+    for (; i < n; ++i) dst[i] = batchserve::float_to_fp16(src[i]);
   } else {
     std::memcpy(dst, src, n * sizeof(float));
   }
@@ -127,7 +142,7 @@ void rope_store_rows(const In* qkv, const float* cos, const float* sin, const in
 
 // qkv: [T, (nh + 2 nkv) * hd] float32 or bfloat16, the fused QKV product; cos, sin: [T, hd/2]
 // float32; slots: [T] int64. Applies RoPE to q and k, writes k and v into the caches ([slots, nkv,
-// hd], float32 or bfloat16) at `slots`, and returns q, k, v as one float32 tensor [T, nh + 2 nkv, hd].
+// hd], float32, bfloat16 or float16) at `slots`, and returns q, k, v as one float32 tensor [T, nh + 2 nkv, hd].
 torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
                          torch::Tensor k_cache, torch::Tensor v_cache, int64_t nh, int64_t nkv) {
   check_rows(qkv, "rope_store qkv");
@@ -136,10 +151,10 @@ torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
   const int64_t hd = qkv.size(1) / (nh + 2 * nkv);
   TORCH_CHECK(hd % 2 == 0, "rope_store: head_dim must be even");
   const auto cdt = k_cache.scalar_type();
-  TORCH_CHECK((cdt == torch::kFloat32 || cdt == torch::kBFloat16) && v_cache.scalar_type() == cdt &&
+  TORCH_CHECK((cdt == torch::kFloat32 || cdt == torch::kBFloat16 || cdt == torch::kHalf) && v_cache.scalar_type() == cdt &&
                   k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3 && k_cache.size(1) == nkv &&
                   k_cache.size(2) == hd && v_cache.sizes() == k_cache.sizes(),
-              "rope_store: caches must be contiguous [slots, nkv, hd], both float32 or both bfloat16");
+              "rope_store: caches must be contiguous [slots, nkv, hd], both float32, bfloat16 or float16");
   cos = cos.contiguous().to(torch::kFloat32);
   sin = sin.contiguous().to(torch::kFloat32);
   slots = slots.contiguous();
@@ -152,17 +167,21 @@ torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
   const float* c = cos.data_ptr<float>();
   const float* s = sin.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  const bool in_bf = qkv.scalar_type() == torch::kBFloat16, cache_bf = cdt == torch::kBFloat16;
-  const auto* qb = static_cast<const uint16_t*>(qkv.data_ptr());
-  const auto* qf = static_cast<const float*>(qkv.data_ptr());
-  auto* kb = static_cast<uint16_t*>(k_cache.data_ptr());
-  auto* vb = static_cast<uint16_t*>(v_cache.data_ptr());
-  auto* kf = static_cast<float*>(k_cache.data_ptr());
-  auto* vf = static_cast<float*>(v_cache.data_ptr());
-  if (in_bf && cache_bf) rope_store_rows(qb, c, s, sp, kb, vb, o, T, nh, nkv, hd);
-  else if (in_bf) rope_store_rows(qb, c, s, sp, kf, vf, o, T, nh, nkv, hd);
-  else if (cache_bf) rope_store_rows(qf, c, s, sp, kb, vb, o, T, nh, nkv, hd);
-  else rope_store_rows(qf, c, s, sp, kf, vf, o, T, nh, nkv, hd);
+  auto with_cache = [&](const auto* in) {
+    if (cdt == torch::kBFloat16)
+      rope_store_rows(in, c, s, sp, static_cast<uint16_t*>(k_cache.data_ptr()),
+                      static_cast<uint16_t*>(v_cache.data_ptr()), o, T, nh, nkv, hd);
+    else if (cdt == torch::kHalf)
+      rope_store_rows(in, c, s, sp, static_cast<fp16_t*>(k_cache.data_ptr()), static_cast<fp16_t*>(v_cache.data_ptr()),
+                      o, T, nh, nkv, hd);
+    else
+      rope_store_rows(in, c, s, sp, static_cast<float*>(k_cache.data_ptr()), static_cast<float*>(v_cache.data_ptr()),
+                      o, T, nh, nkv, hd);
+  };
+  if (qkv.scalar_type() == torch::kBFloat16)
+    with_cache(static_cast<const uint16_t*>(qkv.data_ptr()));
+  else
+    with_cache(static_cast<const float*>(qkv.data_ptr()));
   return out;
 }
 
@@ -203,6 +222,28 @@ torch::Tensor silu_mul(torch::Tensor gu) {
   return out;
 }
 
+// The portable float16 conversions (cpu_math.h), which run where F16C is missing, on whole
+// tensors, so that tests can check them here against torch's: float32 -> float16 bits (int16)
+// and back.
+torch::Tensor fp16_from_float_portable(torch::Tensor x) {
+  x = x.contiguous().to(torch::kFloat32);
+  auto out = torch::empty(x.sizes(), x.options().dtype(torch::kInt16));
+  const float* src = x.data_ptr<float>();
+  auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr<int16_t>());
+  for (int64_t i = 0; i < x.numel(); ++i) dst[i] = batchserve::float_to_fp16_portable(src[i]).bits;
+  return out;
+}
+
+torch::Tensor fp16_to_float_portable(torch::Tensor bits) {
+  TORCH_CHECK(bits.scalar_type() == torch::kInt16, "fp16_to_float_portable: int16 bits expected");
+  bits = bits.contiguous();
+  auto out = torch::empty(bits.sizes(), bits.options().dtype(torch::kFloat32));
+  const auto* src = reinterpret_cast<const uint16_t*>(bits.data_ptr<int16_t>());
+  float* dst = out.data_ptr<float>();
+  for (int64_t i = 0; i < bits.numel(); ++i) dst[i] = batchserve::fp16_to_float_portable({src[i]});
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The kernels run without the GIL (ATen needs none), like torch's own ops: the server's
   // event loop thread keeps answering while the engine thread is inside them.
@@ -210,4 +251,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "x += delta in place; rms_norm(x) * w (float32 or bfloat16 out)", nogil);
   m.def("rope_store", &rope_store, "RoPE on q, k; k, v into the paged cache; q, k, v as float32", nogil);
   m.def("silu_mul", &silu_mul, "silu(gate) * up from the fused gate/up product", nogil);
+  m.def("fp16_from_float_portable", &fp16_from_float_portable, "float32 -> float16 bits, the portable path (tests)");
+  m.def("fp16_to_float_portable", &fp16_to_float_portable, "float16 bits -> float32, the portable path (tests)");
 }

@@ -7,8 +7,9 @@
 // chunks of one when there are fewer sequences than threads need, merged at the end.
 // Elsewhere the portable path below (AVX2 or scalar inner loops) does the same job.
 //
-// The cache may be float32 or bfloat16 (half the bytes a decode step reads from memory, about
-// 1.6x faster); either way the arithmetic is fp32: bf16 K/V values are widened as they are loaded.
+// The cache may be float32, bfloat16 or float16 (half the bytes a decode step reads from memory,
+// about 1.6x faster); either way the arithmetic is fp32: 16-bit K/V values are widened as they
+// are loaded (exactly).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -29,9 +30,11 @@ namespace {
 // bfloat16 cache elements are handled as their raw 16 bits: a bf16 value is the top half of the
 // fp32 with the same sign, exponent and leading mantissa bits, so widening is exact.
 using bf16_t = uint16_t;
+using batchserve::fp16_t;  // IEEE half, widened by F16C (vcvtph2ps)
 
 inline float to_float(float x) { return x; }
 inline float to_float(bf16_t x) { return batchserve::bf16_to_float(x); }
+inline float to_float(fp16_t x) { return batchserve::fp16_to_float(x); }
 
 // The compiler does not vectorise a float reduction without -ffast-math, so the two inner
 // loops are written with intrinsics where the machine has them, with a portable fallback.
@@ -88,7 +91,8 @@ inline float max_of(const float* s, int64_t n) {
 // One cached token's row of all kv heads as fp32: the row itself for a float cache, else widened
 // into buf (once per row, not once per query head that reads it).
 inline const float* row_f32(const float* r, float*, int64_t) { return r; }
-inline const float* row_f32(const bf16_t* r, float* buf, int64_t n) {
+template <typename T>
+inline const float* row_f32(const T* r, float* buf, int64_t n) {
   for (int64_t i = 0; i < n; ++i) buf[i] = to_float(r[i]);
   return buf;
 }
@@ -182,11 +186,16 @@ inline __m512 load_vec(const bf16_t* r, int d) {
   const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + 16 * d)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
+// float16: 16 halves widened in order by one vcvtph2ps.
+template <int NV>
+inline __m512 load_vec(const fp16_t* r, int d) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + 16 * d)));
+}
 
 // Where element i of a head's hd elements sits in the lanes load_vec fills (see above).
 template <typename T>
 inline int64_t lane_of(int64_t i, int64_t hd) {
-  if (std::is_same<T, float>::value || i >= hd / 32 * 32) return i;
+  if (!std::is_same<T, bf16_t>::value || i >= hd / 32 * 32) return i;
   return i / 32 * 32 + (i % 2) * 16 + (i % 32) / 2;
 }
 
@@ -504,6 +513,10 @@ inline void row_to_float(const bf16_t* src, float* dst, int64_t n) {
     _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))), 16)));
 }
+inline void row_to_float(const fp16_t* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16)
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+}
 
 template <typename T, int HD>
 void prefill_item(const float* q, int64_t q_tok_stride, const T* kc, const T* vc, int64_t nkv,
@@ -647,8 +660,9 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   TORCH_CHECK(q.scalar_type() == torch::kFloat32, "paged_decode: q must be float32, got ", q.scalar_type());
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "paged_decode: k_cache and v_cache must have the same dtype, got ",
               k_cache.scalar_type(), " and ", v_cache.scalar_type());
-  TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32 || k_cache.scalar_type() == torch::kBFloat16,
-              "paged_decode: KV cache must be float32 or bfloat16, got ", k_cache.scalar_type());
+  TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32 || k_cache.scalar_type() == torch::kBFloat16 ||
+                  k_cache.scalar_type() == torch::kHalf,
+              "paged_decode: KV cache must be float32, bfloat16 or float16, got ", k_cache.scalar_type());
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode: cache not contiguous");
   q = q.contiguous();
   block_tables = block_tables.contiguous();
@@ -676,7 +690,10 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   };
   if (k_cache.scalar_type() == torch::kFloat32)
     run(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
-  else  // at::BFloat16 holds exactly its 16 bits
+  else if (k_cache.scalar_type() == torch::kHalf)  // at::Half and at::BFloat16 hold exactly their 16 bits
+    run(reinterpret_cast<const fp16_t*>(k_cache.data_ptr<at::Half>()),
+        reinterpret_cast<const fp16_t*>(v_cache.data_ptr<at::Half>()));
+  else
     run(reinterpret_cast<const bf16_t*>(k_cache.data_ptr<at::BFloat16>()),
         reinterpret_cast<const bf16_t*>(v_cache.data_ptr<at::BFloat16>()));
   return out;
@@ -725,8 +742,11 @@ void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
   else if (k_cache.scalar_type() == torch::kBFloat16)
     run(reinterpret_cast<const bf16_t*>(k_cache.data_ptr<at::BFloat16>()),
         reinterpret_cast<const bf16_t*>(v_cache.data_ptr<at::BFloat16>()));
+  else if (k_cache.scalar_type() == torch::kHalf)
+    run(reinterpret_cast<const fp16_t*>(k_cache.data_ptr<at::Half>()),
+        reinterpret_cast<const fp16_t*>(v_cache.data_ptr<at::Half>()));
   else
-    TORCH_CHECK(false, "paged_prefill: KV cache must be float32 or bfloat16, got ", k_cache.scalar_type());
+    TORCH_CHECK(false, "paged_prefill: KV cache must be float32, bfloat16 or float16, got ", k_cache.scalar_type());
 #endif
 }
 
@@ -734,7 +754,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The kernels run without the GIL (ATen needs none), like torch's own ops: the server's
   // event loop thread keeps answering while the engine thread is inside them.
   const auto nogil = py::call_guard<py::gil_scoped_release>();
-  m.def("paged_decode", &paged_decode, "decode attention over the paged KV cache (fp32 math; fp32 or bf16 cache)", nogil);
+  m.def("paged_decode", &paged_decode, "decode attention over the paged KV cache (fp32 math; fp32, bf16 or fp16 cache)", nogil);
   m.def("prefill_supported", &prefill_supported, "whether paged_prefill runs for this head_dim here");
   m.def("paged_prefill", &paged_prefill, "causal attention of prompt chunks over the paged KV cache, into out", nogil);
 }
