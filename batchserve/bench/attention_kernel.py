@@ -43,7 +43,7 @@ def case(kernel, b: int, ctx: int, reps: int) -> dict:
     q = torch.randn(b, N_H, HD, generator=gen)
     caches = {dt: [(torch.randn(total * BS, N_KV, HD, generator=gen).to(dt),
                     torch.randn(total * BS, N_KV, HD, generator=gen).to(dt)) for _ in range(LAYERS)]
-              for dt in (torch.float32, torch.bfloat16)}
+              for dt in (torch.float32, torch.float16, torch.bfloat16)}
     out = {}
     for dt, layers in caches.items():
         out[dt] = time_layers(lambda i: kernel.paged_decode(q, *layers[i], tables, lens, BS, HD ** -0.5), LAYERS, reps)
@@ -65,20 +65,22 @@ def main(argv: list[str] | None = None) -> int:
     if kernel is None:
         print("the C++ kernel did not build here; nothing to measure")
         return 1
-    rows = ["| batch, context | fp32 cache µs/layer | GB/s | bf16 cache µs/layer | GB/s | bf16 speed-up | "
-            "PyTorch gather + SDPA µs/layer (fp32) | kernel speed-up over it |", "|---|---|---|---|---|---|---|---|"]
+    rows = ["| batch, context | fp32 cache µs/layer | GB/s | fp16 cache (the default) µs/layer | GB/s | fp16 speed-up | "
+            "bf16 cache µs/layer | GB/s | bf16 speed-up | PyTorch gather + SDPA µs/layer (fp32) | "
+            "kernel speed-up over it (fp32) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in a.cases.split(","):
         b, ctx = (int(x) for x in c.split("x"))
         r = case(kernel, b, ctx, a.reps)
-        f, h, t = r[torch.float32], r[torch.bfloat16], r["torch"]
-        rows.append(f"| {b}, {ctx} | {f * 1e6:.0f} | {r['min_bytes'] * 4 / f / 1e9:.1f} | {h * 1e6:.0f} | "
+        f, e, h, t = r[torch.float32], r[torch.float16], r[torch.bfloat16], r["torch"]
+        rows.append(f"| {b}, {ctx} | {f * 1e6:.0f} | {r['min_bytes'] * 4 / f / 1e9:.1f} | {e * 1e6:.0f} | "
+                    f"{r['min_bytes'] * 2 / e / 1e9:.1f} | {f / e:.2f}x | {h * 1e6:.0f} | "
                     f"{r['min_bytes'] * 2 / h / 1e9:.1f} | {f / h:.2f}x | {t * 1e6:.0f} | {t / f:.1f}x |")
 
     # attention's share of a real decode step at batch 32, 512-token contexts
     from batchserve.llm import LLM
 
     share = []
-    for kv_dtype in ("auto", "bfloat16"):
+    for kv_dtype in ("float32", "float16", "bfloat16"):
         llm = LLM(kv_cache_gb=2.0, kv_cache_dtype=kv_dtype)
         runner = llm.engine.executor
         batch = decode_batch(KVCacheManager(runner.num_blocks, runner.block_size), 32, 512)
@@ -91,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         step = sorted(ts)[3]
         r = case(kernel, 32, 512, a.reps)
         att = LAYERS * r[runner.kv_dtype]
-        name = "fp32" if kv_dtype == "auto" else "bf16"
+        name = {"float32": "fp32", "float16": "fp16 (the default)", "bfloat16": "bf16"}[kv_dtype]
         share.append(f"{name} KV: step {step * 1e3:.1f} ms, attention {att * 1e3:.1f} ms = {100 * att / step:.0f} % "
                      f"of it, reading {LAYERS * r['min_bytes'] * runner.kv_caches[0][0].element_size() / 1e6:.0f} MB "
                      f"per step = the minimum (each element once)")

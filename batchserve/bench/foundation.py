@@ -209,7 +209,8 @@ def main(argv: list[str] | None = None) -> None:
     head = f"## Foundation,{mode}:" if mode else "## Foundation:"
     report = (f"{head} decode, prefill, offline throughput\n\nCommand: `python -m "
               f"batchserve.bench.foundation{' --skip-hf' if a.skip_hf else ''}{mode}`, {stamp}"
-              f"{f'; matrix products as {mmd} dot products on the GGUF blocks' if integer else ''}.\n\n{body}\n")
+              f"{f'; matrix products as {mmd} dot products on the GGUF blocks' if integer else ''}; KV cache "
+              f"{str(runner.kv_dtype).split('.')[-1]}.\n\n{body}\n")
     print(report)
     if a.out:
         write_section(a.out, head, report)

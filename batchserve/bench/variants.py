@@ -1,8 +1,8 @@
 """Hot-path variants side by side, in one process: the elementwise work per layer in PyTorch
 ops vs the C++ fused ops, the GGUF file's blocks vs weights dequantized at load (`--quantized-weights off`),
-the C++ panel GEMM vs oneDNN for the float32 products, float32 vs bfloat16 matrix products (`--matmul-dtype bfloat16`) and
-KV cache (`--kv-cache-dtype bfloat16`), integer dot products on the GGUF blocks (`--matmul-dtype int16 / int8`), with each
-variant's output quality against float32.
+the C++ panel GEMM vs oneDNN for the float32 products, float32 vs bfloat16 matrix products (`--matmul-dtype bfloat16`),
+float32 vs float16 / bfloat16 KV cache (`--kv-cache-dtype`), integer dot products on the GGUF blocks (`--matmul-dtype
+int16 / int8`), with each variant's output quality against float32 (products and cache).
 
     python -m batchserve.bench.variants --out BENCHMARKS.md      # about 5 minutes, quiet machine
 
@@ -98,18 +98,21 @@ def quality(llm32, llm16, max_tokens: int = 64) -> dict:
             "max_rel": max(rel), "mean_rel": sum(rel) / len(rel)}
 
 
-FP32 = {"matmul_dtype": "float32"}
+KV32 = {"kv_cache_dtype": "float32"}
+FP32 = {"matmul_dtype": "float32", **KV32}
+DEFAULT = "int16 matmul + fp16 KV cache (the default on AVX512-VNNI CPUs)"
 VARIANTS = {  # name -> LLM options (the fp32 reference first: everything is compared with it)
     "fp32, fused ops": FP32,
-    "fp32, weights dequantized at load": {"quantized_weights": "off"},
-    "fp32, fused ops, oneDNN matmul": {"linear_backend": "onednn"},
+    "fp32, weights dequantized at load": {"quantized_weights": "off", **KV32},
+    "fp32, fused ops, oneDNN matmul": {"linear_backend": "onednn", **KV32},
+    "fp32 + fp16 KV cache": {**FP32, "kv_cache_dtype": "float16"},
     "fp32 + bf16 KV cache": {**FP32, "kv_cache_dtype": "bfloat16"},
-    "bf16 matmul": {"matmul_dtype": "bfloat16"},
+    "bf16 matmul": {"matmul_dtype": "bfloat16", **KV32},
     "bf16 matmul + bf16 KV cache": {"matmul_dtype": "bfloat16", "kv_cache_dtype": "bfloat16"},
-    "int16 matmul (GGUF blocks x int16 activations; the default on AVX512-VNNI)": {"matmul_dtype": "int16"},
-    "int16 matmul + bf16 KV cache": {"matmul_dtype": "int16", "kv_cache_dtype": "bfloat16"},
-    "int8 matmul (GGUF blocks x int8 activations)": {"matmul_dtype": "int8"},
-    "int8 matmul + bf16 KV cache": {"matmul_dtype": "int8", "kv_cache_dtype": "bfloat16"},
+    "int16 matmul (GGUF blocks x int16 activations), fp32 KV cache": {"matmul_dtype": "int16", **KV32},
+    DEFAULT: {"matmul_dtype": "int16", "kv_cache_dtype": "float16"},
+    "int8 matmul (GGUF blocks x int8 activations), fp32 KV cache": {"matmul_dtype": "int8", **KV32},
+    "int8 matmul + fp16 KV cache": {"matmul_dtype": "int8", "kv_cache_dtype": "float16"},
 }
 UNFUSED = "fp32, PyTorch elementwise ops"
 
@@ -140,11 +143,14 @@ def main(argv: list[str] | None = None) -> int:
 
     from batchserve.llm import LLM
 
-    # 1.5 GB each: ten engines side by side fit in 24 GB; the workload needs ~22K tokens of KV
-    engine_kw = dict(kv_cache_gb=1.5, max_num_seqs=64, max_num_batched_tokens=2048)
-    llms = {name: LLM(**engine_kw, **kw) for name, kw in VARIANTS.items()}
+    # ~32K tokens of KV each (1.5 GB at 4 bytes an element, 0.75 GB at 2), so every engine schedules
+    # the workload (~22K tokens) alike and eleven fit in 24 GB side by side
+    engine_kw = dict(max_num_seqs=64, max_num_batched_tokens=2048)
+    llms = {name: LLM(**engine_kw, **kw, kv_cache_gb=1.5 if kw.get("kv_cache_dtype", "float32") == "float32" else 0.75)
+            for name, kw in VARIANTS.items()}
     base = next(iter(llms.values()))
-    unfused = ModelRunner(copy.copy(load_model(ModelConfig())), ModelConfig(**FP32), CacheConfig(kv_cache_gb=1.0))
+    unfused = ModelRunner(copy.copy(load_model(ModelConfig())), ModelConfig(matmul_dtype="float32"),
+                          CacheConfig(kv_cache_gb=1.0, **KV32))
     unfused.model.fused = None  # same runner, elementwise work back in PyTorch ops (C++ attention kept)
     runners = {UNFUSED: unfused, **{k: v.engine.executor for k, v in llms.items()}}
     cfg = base.engine.executor.cfg
@@ -155,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     def own_ceiling(k: str, b: int, c: int) -> float:
         """The ceiling of the variant's own dtypes: bf16 / int8 / int16 matmul rate, weight bytes, KV bytes."""
         kw = VARIANTS.get(k, {})
-        kv = 2 if kw.get("kv_cache_dtype") == "bfloat16" else 4
+        kv = 2 if kw.get("kv_cache_dtype") in ("bfloat16", "float16") else 4
         if kw.get("matmul_dtype") == "bfloat16":
             return decode_ceiling(cfg, mach16, b, c, elem=kv, w_elem=2)
         model = runners[k].model

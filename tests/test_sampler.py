@@ -1,0 +1,110 @@
+"""Token sampling: the C++ kernel (`sample_rows`) and the PyTorch path against float64 references
+of greedy, temperature, top-k and top-p, with the uniforms laid on a grid so that the draws'
+frequencies are the distribution's exactly (up to one draw per token)."""
+import math
+
+import pytest
+import torch
+
+from batchserve.request import SamplingParams
+from batchserve.runner.kernels import fused_ops_ext
+from batchserve.runner.sampler import sample, sample_torch
+
+
+def _paths():
+    ext = fused_ops_ext()
+    paths = [("torch", sample_torch)]
+    if ext is not None:
+        paths.append(("cpp", ext.sample_rows))
+    return paths
+
+
+PATHS = _paths()
+
+
+def reference_probs(x: list[float], t: float, k: int, p: float) -> list[float]:
+    """softmax(x / t) over the top-k (ties with the k-th kept), then over the most likely tokens
+    until the mass before one exceeds p (ties with the last kept kept), renormalised; float64."""
+    v = len(x)
+    thr = sorted(x, reverse=True)[k - 1] if 0 < k < v else -math.inf
+    m = max(x)
+    w = [math.exp((xi - m) / t) if xi >= thr and xi != -math.inf else 0.0 for xi in x]
+    if p < 1:
+        total = sum(w)
+        order = sorted(range(v), key=lambda j: -w[j])
+        acc, cut = 0.0, 0.0
+        for j in order:
+            if acc > p * total:
+                break
+            acc += w[j]
+            cut = w[j]
+        w = [wi if wi >= cut else 0.0 for wi in w]
+    total = sum(w)
+    return [wi / total for wi in w]
+
+
+CASES = [  # temperature, top_k, top_p
+    (1.0, 0, 1.0), (0.5, 0, 1.0), (1.7, 0, 1.0), (1.0, 3, 1.0), (1.0, 0, 0.8), (0.8, 4, 0.7), (1.0, 1, 1.0),
+    (1.0, 0, 0.05), (1.0, 20, 1.0),
+]
+
+
+@pytest.mark.parametrize("name,fn", PATHS)
+@pytest.mark.parametrize("t,k,p", CASES)
+def test_draws_have_the_distribution_of_the_cuts(name, fn, t, k, p):
+    x = [1.3, -0.4, 2.2, 0.9, 2.2, -3.0, 0.0, 1.9]
+    want = reference_probs(x, t, k, p)
+    n = 20000
+    u = (torch.arange(n, dtype=torch.float64) + 0.5) / n  # a grid: token j takes n * p_j of the draws, +-1
+    logits = torch.tensor([x] * n, dtype=torch.float32)
+    got = fn(logits, torch.full((n,), t), torch.full((n,), k, dtype=torch.long), torch.full((n,), p), u.float())
+    counts = torch.bincount(got, minlength=len(x)).tolist()
+    for j, (c, q) in enumerate(zip(counts, want)):
+        assert abs(c - n * q) <= 2, (name, j, counts, [round(n * q, 1) for q in want])
+
+
+@pytest.mark.parametrize("name,fn", PATHS)
+def test_greedy_is_the_first_largest_and_masked_tokens_are_never_drawn(name, fn):
+    x = torch.tensor([[0.5, 3.0, 3.0, -1.0],  # ties: the first
+                      [float("-inf"), 2.0, float("-inf"), 1.0],
+                      [0.0, float("nan"), 5.0, float("nan")]])  # a NaN counts as the largest, as in torch.argmax
+    zeros = torch.zeros(3)
+    got = fn(x, zeros, torch.zeros(3, dtype=torch.long), torch.ones(3), zeros).tolist()
+    assert got == [1, 1, 1] == x.argmax(-1).tolist()
+    row = torch.tensor([[float("-inf"), 2.0, float("-inf"), 1.0]] * 1000)
+    u = torch.rand(1000, generator=torch.Generator().manual_seed(3))
+    drawn = fn(row, torch.full((1000,), 2.0), torch.zeros(1000, dtype=torch.long), torch.ones(1000), u)
+    assert set(drawn.tolist()) == {1, 3}
+
+
+def test_kernel_matches_the_pytorch_path_at_vocabulary_size():
+    """Rows of 49,152 logits with every mix of settings, including top-k at and past the vocabulary
+    and a top-p so small it keeps one token: the two paths draw the same tokens."""
+    ext = fused_ops_ext()
+    if ext is None:
+        pytest.skip("C++ toolchain not available here")
+    g = torch.Generator().manual_seed(7)
+    settings = [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 0, 0.9), (0.7, 50, 0.9), (1.0, 50, 1.0), (1.3, 1, 1.0),
+                (1.0, 49152, 1.0), (1.0, 60000, 0.95), (0.2, 0, 1e-6), (2.0, 0, 0.5)] * 3
+    n = len(settings)
+    logits = torch.randn(n, 49152, generator=g) * 3
+    logits[::4] *= 0.1  # flat rows: top-p keeps thousands of tokens
+    temps = torch.tensor([s[0] for s in settings])
+    ks = torch.tensor([s[1] for s in settings])
+    ps = torch.tensor([s[2] for s in settings])
+    u = torch.rand(n, generator=g)
+    assert ext.sample_rows(logits, temps, ks, ps, u).tolist() == sample_torch(logits, temps, ks, ps, u).tolist()
+
+
+def test_seeded_rows_do_not_depend_on_their_neighbours():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 1000)
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=42)
+    alone = sample(logits[1:2], [seeded], [5], torch.Generator().manual_seed(1))
+    together = sample(logits, [SamplingParams(temperature=0.8), seeded, SamplingParams(temperature=0.0)], [0, 5, 0],
+                      torch.Generator().manual_seed(2))
+    assert together[1] == alone[0]
+    assert together[2] == int(logits[2].argmax())
+    # the next output index draws anew
+    draws = {sample(logits[1:2], [seeded], [i], torch.Generator())[0] for i in range(40)}
+    assert len(draws) > 5
