@@ -44,6 +44,7 @@ bench-engine: $(STAMP)
 	$(PY) -m batchserve.bench.attention_kernel --out BENCHMARKS.md
 	$(PY) -m batchserve.bench.prefill_attention --out BENCHMARKS.md
 	$(PY) -m batchserve.bench.http_offline --out BENCHMARKS.md
+	$(PY) -m batchserve.bench.sampling --out BENCHMARKS.md
 	$(PY) -m batchserve.sim.speed
 	$(PY) -m batchserve.sim.cluster --out BENCHMARKS.md
 
