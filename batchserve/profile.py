@@ -242,7 +242,7 @@ def run_profile(config: EngineConfig, quick: bool = False, reps: int = 3) -> dic
     return {
         "model": loaded.name, "device": config.model.device, "dtype": config.model.dtype,
         "block_size": bs, "num_blocks": runner.num_blocks, "max_model_len": runner.max_model_len,
-        "kv_bytes_per_token": kv_bytes_per_block(runner.cfg, bs, runner.dtype) // bs,
+        "kv_bytes_per_token": kv_bytes_per_block(runner.cfg, bs, runner.kv_dtype) // bs,
         "fit": {"terms": list(TERMS), "coef": dict(zip(TERMS, coef)), "context_len": ref, "row_knee": row_knee,
                 "mean_rel_error": float(np.mean(errs)), "max_rel_error": float(np.max(errs))},
         "max_batch_by_context": {str(c): runner.num_blocks // -(-c // bs) for c in contexts},

@@ -45,19 +45,22 @@ def reference_probs(x: list[float], t: float, k: int, p: float) -> list[float]:
 
 CASES = [  # temperature, top_k, top_p
     (1.0, 0, 1.0), (0.5, 0, 1.0), (1.7, 0, 1.0), (1.0, 3, 1.0), (1.0, 0, 0.8), (0.8, 4, 0.7), (1.0, 1, 1.0),
-    (1.0, 0, 0.05), (1.0, 20, 1.0),
+    (1.0, 0, 0.05), (1.0, 20, 1.0), (1.0, 37, 1.0),
 ]
 
 
 @pytest.mark.parametrize("name,fn", PATHS)
 @pytest.mark.parametrize("t,k,p", CASES)
 def test_draws_have_the_distribution_of_the_cuts(name, fn, t, k, p):
-    x = [1.3, -0.4, 2.2, 0.9, 2.2, -3.0, 0.0, 1.9]
+    # 37 tokens, 29 of them masked (-inf) and spread out: the kernel's 16-wide body and its tail both run
+    x = [float("-inf")] * 37
+    for pos, val in zip((0, 5, 16, 17, 20, 31, 32, 36), (1.3, -0.4, 2.2, 0.9, 2.2, -3.0, 0.0, 1.9)):
+        x[pos] = val
     want = reference_probs(x, t, k, p)
     n = 20000
     u = (torch.arange(n, dtype=torch.float64) + 0.5) / n  # a grid: token j takes n * p_j of the draws, +-1
     logits = torch.tensor([x] * n, dtype=torch.float32)
-    got = fn(logits, torch.full((n,), t), torch.full((n,), k, dtype=torch.long), torch.full((n,), p), u.float())
+    got = fn(logits, torch.full((n,), t), torch.full((n,), k, dtype=torch.long), torch.full((n,), p), u)
     counts = torch.bincount(got, minlength=len(x)).tolist()
     for j, (c, q) in enumerate(zip(counts, want)):
         assert abs(c - n * q) <= 2, (name, j, counts, [round(n * q, 1) for q in want])
@@ -77,23 +80,50 @@ def test_greedy_is_the_first_largest_and_masked_tokens_are_never_drawn(name, fn)
     assert set(drawn.tolist()) == {1, 3}
 
 
-def test_kernel_matches_the_pytorch_path_at_vocabulary_size():
-    """Rows of 49,152 logits with every mix of settings, including top-k at and past the vocabulary
-    and a top-p so small it keeps one token: the two paths draw the same tokens."""
+@pytest.mark.parametrize("V", [1, 7, 16, 17, 255, 257, 4099, 49152])
+def test_kernel_matches_the_pytorch_path(V):
+    """Rows of V logits (the kernel's vector body, its scalar tail and its 256-token blocks, whole
+    and in part) with every mix of settings, including top-k at and past the vocabulary, ties, and
+    a top-p so small it keeps one token: the two paths draw the same tokens."""
     ext = fused_ops_ext()
     if ext is None:
         pytest.skip("C++ toolchain not available here")
-    g = torch.Generator().manual_seed(7)
+    g = torch.Generator().manual_seed(V)
     settings = [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 0, 0.9), (0.7, 50, 0.9), (1.0, 50, 1.0), (1.3, 1, 1.0),
-                (1.0, 49152, 1.0), (1.0, 60000, 0.95), (0.2, 0, 1e-6), (2.0, 0, 0.5)] * 3
+                (1.0, V, 1.0), (1.0, V + 7, 0.95), (0.2, 0, 1e-6), (2.0, 0, 0.5), (1e-4, 0, 1.0), (1.0, 3, 1.0)] * 3
     n = len(settings)
-    logits = torch.randn(n, 49152, generator=g) * 3
+    logits = torch.randn(n, V, generator=g) * 3
     logits[::4] *= 0.1  # flat rows: top-p keeps thousands of tokens
+    logits[1::5] = logits[1::5].round()  # ties
+    logits[2::7, ::3] = float("-inf")
     temps = torch.tensor([s[0] for s in settings])
     ks = torch.tensor([s[1] for s in settings])
     ps = torch.tensor([s[2] for s in settings])
-    u = torch.rand(n, generator=g)
+    u = torch.rand(n, generator=g, dtype=torch.float64)
     assert ext.sample_rows(logits, temps, ks, ps, u).tolist() == sample_torch(logits, temps, ks, ps, u).tolist()
+
+
+@pytest.mark.parametrize("name,fn", PATHS)
+def test_rows_with_nothing_to_draw_from_go_to_the_largest(name, fn):
+    """A +inf logit, a temperature whose inverse overflows, and huge logits at a small temperature
+    all put the mass on the largest logit; a NaN row gives its first NaN and an all -inf row token
+    0, as argmax does; a u near 0 does not pick a token far below the max; top_p <= 0 keeps one."""
+    inf, nan = float("inf"), float("nan")
+    x = torch.randn(8, 300, generator=torch.Generator().manual_seed(0))
+    x[0, 250] = inf
+    x[1, 123] = 9.0
+    x[2, 77] = 1e36
+    x[3, 40], x[3, 200] = nan, nan
+    x[4] = -inf
+    x[5, 0], x[5, 299] = -200.0, 12.0  # token 0 is e^-2120 as likely at t = 0.1
+    x[6, 9] = 30.0
+    temps = torch.tensor([1.0, 1e-39, 1e-3, 1.0, 1.0, 0.1, 1.0, 1.0])
+    ps = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 1.0])
+    u = torch.tensor([0.5, 0.5, 0.5, 0.5, 0.5, 1e-300, 0.99, 1 - 1e-16], dtype=torch.float64)
+    got = fn(x, temps, torch.zeros(8, dtype=torch.long), ps, u).tolist()
+    assert got[:7] == [250, 123, 77, 40, 0, 299, 9]
+    assert 0 <= got[7] < 300 and x[7, got[7]] > x[7].max() - 20  # u just below 1: a real token
+
 
 
 def test_seeded_rows_do_not_depend_on_their_neighbours():

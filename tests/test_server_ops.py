@@ -138,8 +138,8 @@ def test_serve_process_health_auth_limits_and_graceful_sigterm(tmp_path) -> None
         big = {"model": "tiny", "prompt": "x" * 5000}
         assert httpx.post(url + "/v1/completions", json=big, headers=auth).status_code == 413
 
-        # long enough to be still running after the signal and the checks below (~5 ms a token here)
-        body = {"model": "tiny", "prompt": "Count to a hundred:", "max_tokens": 512, "ignore_eos": True,
+        # long enough to be still running after the signal and the checks below (~3.5-5 ms a token here)
+        body = {"model": "tiny", "prompt": "Count to a hundred:", "max_tokens": 1024, "ignore_eos": True,
                 "stream": True, "stream_options": {"include_usage": True}}
         first, lines = threading.Event(), []
         t = _stream_in_thread(url, auth, body, first, lines)
@@ -152,7 +152,7 @@ def test_serve_process_health_auth_limits_and_graceful_sigterm(tmp_path) -> None
         assert httpx.get(url + "/health").status_code == 503
         t.join(150)
         assert lines[0] == "status 200" and lines[-1] == "[DONE]", lines[-3:]
-        assert '"completion_tokens":512' in lines[-2]  # the in-flight request finished in full
+        assert '"completion_tokens":1024' in lines[-2]  # the in-flight request finished in full
         assert proc.wait(60) == 0
     finally:
         if proc.poll() is None:
@@ -160,4 +160,4 @@ def test_serve_process_health_auth_limits_and_graceful_sigterm(tmp_path) -> None
             proc.wait()
     out = log_path.read_text()
     assert "draining" in out
-    assert "completion_tokens=512" in out and "finish=length" in out  # the per-request log line
+    assert "completion_tokens=1024" in out and "finish=length" in out  # the per-request log line

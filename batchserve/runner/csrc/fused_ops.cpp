@@ -6,7 +6,9 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -312,12 +314,14 @@ double sum_ge(const float* w, int64_t V, float t) {
   return total;
 }
 
-// One draw from softmax(x / t) restricted by top-k then top-p, with the caller's uniform u.
-int64_t draw_row(const float* x, int64_t V, float t, int64_t k, float p, float u, SampleBufs& b) {
+// One draw from softmax(x / t) restricted by top-k then top-p, with the caller's uniform u in (0, 1).
+int64_t draw_row(const float* x, int64_t V, float t, int64_t k, float p, double u, SampleBufs& b) {
   bool nan;
   const float m = row_max(x, V, nan);
-  if (nan) return argmax_row(x, V);  // nothing to draw from: as greedy, the first NaN
-  if (m == -INFINITY) return 0;
+  const float inv_t = 1.f / t;
+  // Nothing to draw from, or all the mass on the largest: a NaN (the first), all -inf, a +inf
+  // logit, or a temperature so small that 1/t overflows. As greedy.
+  if (nan || m == -INFINITY || m == INFINITY || !std::isfinite(inv_t)) return argmax_row(x, V);
   float thr = -INFINITY;  // top-k: the k-th largest logit; ties with it are kept
   if (k > 0 && k < V) {
     // Candidates first: the logits within d of the max for the smallest d (doubling) that
@@ -334,19 +338,23 @@ int64_t draw_row(const float* x, int64_t V, float t, int64_t k, float p, float u
   }
   b.w.resize(V);
   float* w = b.w.data();
-  const float inv_t = 1.f / t;
-  int64_t j = 0;  // -inf logits and those below the top-k get 0; the max gets 1
+  // The max gets 1; logits below the top-k, and those whose exp underflows float (an exponent
+  // below -87, -inf among them), get 0.
+  int64_t j = 0;
 #if defined(__AVX512F__)
   const __m512 tv = _mm512_set1_ps(thr), mv = _mm512_set1_ps(m), iv = _mm512_set1_ps(inv_t),
-               ninf = _mm512_set1_ps(-INFINITY);
+               lo = _mm512_set1_ps(-87.f);
   for (; j + 16 <= V; j += 16) {
     const __m512 v = _mm512_loadu_ps(x + j);
-    const __mmask16 ok = _mm512_cmp_ps_mask(v, tv, _CMP_GE_OQ) & _mm512_cmp_ps_mask(v, ninf, _CMP_NEQ_OQ);
-    _mm512_storeu_ps(w + j, _mm512_maskz_mov_ps(ok, batchserve::exp_nonpos16(_mm512_mul_ps(_mm512_sub_ps(v, mv), iv))));
+    const __m512 z = _mm512_mul_ps(_mm512_sub_ps(v, mv), iv);
+    const __mmask16 ok = _mm512_cmp_ps_mask(v, tv, _CMP_GE_OQ) & _mm512_cmp_ps_mask(z, lo, _CMP_GE_OQ);
+    _mm512_storeu_ps(w + j, _mm512_maskz_mov_ps(ok, batchserve::exp_nonpos16(z)));
   }
 #endif
-  for (; j < V; ++j)
-    w[j] = (x[j] >= thr && x[j] != -INFINITY) ? exp_nonpos((x[j] - m) * inv_t) : 0.f;
+  for (; j < V; ++j) {
+    const float z = (x[j] - m) * inv_t;
+    w[j] = (x[j] >= thr && z >= -87.f) ? exp_nonpos(z) : 0.f;
+  }
   double total = sum_ge(w, V, 0.f);
   float cut = 0.f;  // top-p: the smallest weight kept; ties with it are kept
   if (p < 1.f) {
@@ -363,7 +371,7 @@ int64_t draw_row(const float* x, int64_t V, float t, int64_t k, float p, float u
     std::sort(b.idx.begin(), b.idx.end(), [w](int32_t a, int32_t c) { return w[a] > w[c] || (w[a] == w[c] && a < c); });
     double acc = 0.0;
     size_t kept = 0;
-    while (kept < b.idx.size() && acc <= target) acc += w[b.idx[kept++]];
+    while (kept < b.idx.size() && (acc <= target || kept == 0)) acc += w[b.idx[kept++]];  // at least one
     cut = w[b.idx[kept - 1]];
     total = sum_ge(w, V, cut);
   }
@@ -371,7 +379,7 @@ int64_t draw_row(const float* x, int64_t V, float t, int64_t k, float p, float u
   constexpr int64_t BLK = 256;
   const int64_t nb = (V + BLK - 1) / BLK;
   const float keep = cut > 0.f ? cut : std::numeric_limits<float>::min();  // w > 0 and w >= cut
-  const double target = static_cast<double>(u) * total;
+  const double target = u * total;
   double acc = 0.0;
   int64_t last = -1;
   for (int64_t blk = 0; blk < nb; ++blk) {
@@ -399,8 +407,8 @@ int64_t draw_row(const float* x, int64_t V, float t, int64_t k, float p, float u
 
 }  // namespace
 
-// logits [S, V] float32; temperature, top_p [S] float32; top_k [S] int64 (0: off); u [S] float32
-// uniforms in [0, 1). Row r: temperature 0 -> argmax; else a draw from softmax(logits / t) over the
+// logits [S, V] float32; temperature, top_p [S] float32; top_k [S] int64 (0: off); u [S] float64
+// uniforms in (0, 1). Row r: temperature 0 -> argmax; else a draw from softmax(logits / t) over the
 // top_k largest logits, then over the smallest set of most likely tokens whose mass reaches top_p
 // (the one that crosses it kept): the first token, in vocabulary order, whose running kept mass
 // exceeds u * the kept total. Returns [S] int64.
@@ -412,14 +420,14 @@ torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, torch
   const int64_t S = logits.size(0), V = logits.size(1);
   temperature = temperature.contiguous().to(torch::kFloat32);
   top_p = top_p.contiguous().to(torch::kFloat32);
-  u = u.contiguous().to(torch::kFloat32);
+  u = u.contiguous().to(torch::kFloat64);
   top_k = top_k.contiguous().to(torch::kInt64);
   TORCH_CHECK(temperature.numel() == S && top_p.numel() == S && u.numel() == S && top_k.numel() == S,
               "sample_rows: one temperature, top_k, top_p and u per row");
   TORCH_CHECK(V > 0, "sample_rows: empty vocabulary");
   auto out = torch::empty({S}, logits.options().dtype(torch::kInt64));
-  const float *x = logits.data_ptr<float>(), *tp = temperature.data_ptr<float>(), *pp = top_p.data_ptr<float>(),
-              *up = u.data_ptr<float>();
+  const float *x = logits.data_ptr<float>(), *tp = temperature.data_ptr<float>(), *pp = top_p.data_ptr<float>();
+  const double* up = u.data_ptr<double>();
   const int64_t* kp = top_k.data_ptr<int64_t>();
   int64_t* o = out.data_ptr<int64_t>();
   at::parallel_for(0, S, 1, [&](int64_t lo, int64_t hi) {
