@@ -65,13 +65,19 @@ def main(argv: list[str] | None = None) -> int:
     work = a.work_dir or tempfile.mkdtemp(prefix="ray_bench_")
     os.makedirs(work, exist_ok=True)
     rows = []
+    kv_per_token = ""
     for label, args in LAYOUTS:
         slug = re.sub(r"[^a-z0-9]+", "-", label.lower()).strip("-")
-        with running_server(["--kv-cache-gb", "0.5", *args], os.path.join(work, slug + ".log")) as url:
+        log_path = os.path.join(work, slug + ".log")
+        with running_server(["--kv-cache-gb", "0.5", *args], log_path) as url:
             cfg = ClientConfig(url, max_duration_s=a.max_duration, progress=False)
             summary_path = run_sweep(cfg, a.workload, a.requests, rates, os.path.join(work, slug), label=label,
                                      scale=a.scale, plot=False)
             handoff = scrape(url)
+        with open(log_path) as f:  # the server's "KV cache: ... = T tokens (G GiB, dtype" line
+            m = re.search(r"KV cache: \d+ blocks x \d+ tokens = (\d+) tokens \(([\d.]+) GiB, (\w+)", f.read())
+        if m:
+            kv_per_token = f"{float(m[2]) * 2**30 / int(m[1]) / 1024:.0f} KB of {m[3]} K/V each for this model"
         with open(summary_path) as f:
             runs = json.load(f)["runs"]
         for run in runs:
@@ -91,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         if h.get("kv_handoff_tokens_total"):
             n, tok = h["kv_handoffs_total"], h["kv_handoff_tokens_total"]
             lines += ["", f"Hand-off ({label}, all rates): {n:.0f} requests, {tok:.0f} prompt tokens "
-                      f"(46 KB of K/V each for this model). Copying (export + import): "
+                      f"({kv_per_token or 'K/V'}). Copying (export + import): "
                       f"**{1e3 * h['kv_handoff_copy_seconds_total'] / tok:.3f} ms per prompt token**; first token "
                       f"out of the prefill worker to adopted by the decode worker: "
                       f"**{1e3 * h['kv_handoff_seconds_total'] / n:.1f} ms per request** "
