@@ -50,6 +50,8 @@ def test_quick_profile_cli_writes_a_loadable_model(tmp_path, capsys):
     prof = json.loads(out.read_text())
     assert set(prof["fit"]["coef"]) == set(TERMS)
     nb, bs = prof["num_blocks"], prof["block_size"]
+    # --quick's 0.01 GiB pool: its blocks times the cache dtype's bytes per token (not the model dtype's)
+    assert 0.99 * 0.01 * 2**30 < prof["kv_bytes_per_token"] * bs * nb <= 0.01 * 2**30
     for ctx, cap in prof["max_batch_by_context"].items():
         assert cap == nb // -(-int(ctx) // bs)  # the pool holds exactly that many sequences
     assert prof["knee"]["batch"] in [int(b) for b in prof["knee"]["throughputs"]]
