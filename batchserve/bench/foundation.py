@@ -227,7 +227,9 @@ def publish(text: str, out: str | None, heading: str) -> int:
 def write_section(path: str, heading: str, report: str) -> None:
     """Replace the section starting with `heading` in a markdown file (or append it)."""
     text = open(path).read() if os.path.exists(path) else "# Benchmarks\n\n"
-    start = text.find(heading)
+    # at the start of a line only: "## X" must not match inside a "### X ..." heading
+    line = text.find("\n" + heading)
+    start = 0 if text.startswith(heading) else line + 1 if line >= 0 else -1
     if start < 0:
         text = text.rstrip() + "\n\n" + report
     else:
