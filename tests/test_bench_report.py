@@ -79,3 +79,16 @@ def test_write_load_and_compare(tmp_path):
     assert "| fast | 1 | high | 9 |" in md
     for f in ("compare_sweep.png", "compare_cdf.png", "compare.md"):
         assert os.path.getsize(str(tmp_path / "cmp" / f)) > 0
+
+
+def test_write_section_replaces_only_the_section_with_that_heading(tmp_path):
+    """A section is found by its heading at the start of a line: '## X' replaces '## X ...' up to
+    the next '## ', never starting inside a '### X ...' subsection; a missing one is appended."""
+    from batchserve.bench.foundation import write_section
+
+    p = tmp_path / "b.md"
+    p.write_text("# B\n\n## A\n\na\n\n### X history\n\nkept\n\n## X (old run)\n\nold\n\n## C\n\nc\n")
+    write_section(str(p), "## X", "## X (new run)\n\nnew\n\n")
+    assert p.read_text() == "# B\n\n## A\n\na\n\n### X history\n\nkept\n\n## X (new run)\n\nnew\n\n## C\n\nc\n"
+    write_section(str(p), "## Z", "## Z\n\nz\n")
+    assert p.read_text().endswith("## C\n\nc\n\n## Z\n\nz\n")
