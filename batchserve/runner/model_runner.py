@@ -24,6 +24,13 @@ def kv_bytes_per_block(loaded_cfg, block_size: int, dtype: torch.dtype) -> int:
     return 2 * loaded_cfg.num_layers * block_size * loaded_cfg.num_kv_heads * loaded_cfg.head_dim * elem
 
 
+def cpp_attention_wanted(model_cfg: ModelConfig, weight_dtype: torch.dtype) -> bool:
+    """Whether the C++ attention kernels and fused ops are to run: a float32 model on the CPU,
+    unless the PyTorch path is asked for (whether they built is the caller's question)."""
+    return (model_cfg.attention_backend != "torch" and torch.device(model_cfg.device).type == "cpu"
+            and weight_dtype == torch.float32)
+
+
 def resolve_kv_cache_dtype(model_cfg: ModelConfig, cache_cfg: CacheConfig) -> torch.dtype:
     """The KV cache's storage dtype. `auto` means float16 where the C++ attention kernels run (a
     float32 model on the CPU, the kernels built): half the bytes of float32, so twice the tokens
@@ -32,9 +39,8 @@ def resolve_kv_cache_dtype(model_cfg: ModelConfig, cache_cfg: CacheConfig) -> to
     default. Values past float16's range are stored as +-65504, not infinity. Elsewhere `auto`
     is the model's dtype; `float32` keeps the exact cache."""
     name = kv_cache_dtype_name(model_cfg, cache_cfg)
-    if (cache_cfg.kv_cache_dtype == "auto" and name == "float32" and model_cfg.device == "cpu"
-            and model_cfg.attention_backend != "torch" and paged_attention_ext() is not None
-            and fused_ops_ext() is not None):
+    if (cache_cfg.kv_cache_dtype == "auto" and cpp_attention_wanted(model_cfg, getattr(torch, model_cfg.dtype))
+            and paged_attention_ext() is not None and fused_ops_ext() is not None):
         return torch.float16
     return getattr(torch, name)
 
@@ -65,8 +71,7 @@ class ModelRunner:
         self.cfg = loaded.config
         dtype = loaded.weights["model.embed_tokens.weight"].dtype
         self.kv_dtype = resolve_kv_cache_dtype(model_cfg, cache_cfg)
-        cpp_ok = (model_cfg.attention_backend != "torch" and self.device.type == "cpu" and dtype == torch.float32
-                  and self.kv_dtype in (torch.float32, torch.bfloat16, torch.float16))
+        cpp_ok = cpp_attention_wanted(model_cfg, dtype)
         fused = fused_ops_ext() if cpp_ok else None
         self.kernel = paged_attention_ext() if cpp_ok else None
         if model_cfg.attention_backend == "cpp" and (self.kernel is None or fused is None):

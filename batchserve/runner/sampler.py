@@ -53,7 +53,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], output_index: lis
     temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
     ks = torch.tensor([p.top_k for p in params], dtype=torch.long)
     ps = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-    u = torch.full((len(params),), 0.5, dtype=torch.float64) if greedy else _uniforms(params, output_index, generator)
+    u = _uniforms(params, output_index, generator)  # greedy rows get 0.5, unused
     if kernel is not None:
         return kernel.sample_rows(logits, temps, ks, ps, u).tolist()
     return sample_torch(logits, temps, ks, ps, u).tolist()

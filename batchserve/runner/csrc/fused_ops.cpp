@@ -6,10 +6,6 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -19,7 +15,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "cpu_math.h"
+#include "cpu_math.h"  // and immintrin.h where AVX-512 or F16C code is compiled
 
 namespace {
 
@@ -233,28 +229,6 @@ torch::Tensor silu_mul(torch::Tensor gu) {
 // so 0.3-1 s a step at batch 64 against a 36 ms forward pass.
 namespace {
 
-// The first largest value, as torch.argmax; a NaN counts as the largest (its first index).
-int64_t argmax_row(const float* x, int64_t V) {
-  float m = -INFINITY;
-  int64_t j = 0;
-#if defined(__AVX512F__)
-  __m512 vm = _mm512_set1_ps(-INFINITY);
-  for (; j + 16 <= V; j += 16) {
-    const __m512 v = _mm512_loadu_ps(x + j);
-    if (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)) break;  // a NaN: the scalar loop finds it
-    vm = _mm512_max_ps(vm, v);
-  }
-  m = _mm512_reduce_max_ps(vm);
-#endif
-  for (; j < V; ++j) {
-    if (std::isnan(x[j])) return j;
-    m = x[j] > m ? x[j] : m;
-  }
-  for (j = 0; j < V; ++j)  // every value before the end was compared: the first equal to the max
-    if (x[j] == m) return j;
-  return 0;  // all -inf
-}
-
 struct SampleBufs {
   std::vector<float> w, tmp;
   std::vector<int32_t> idx;
@@ -282,6 +256,15 @@ float row_max(const float* x, int64_t V, bool& nan) {
     m = x[j] > m ? x[j] : m;
   }
   return m;
+}
+
+// The first largest value, as torch.argmax; a NaN counts as the largest (its first index).
+int64_t argmax_row(const float* x, int64_t V) {
+  bool nan;
+  const float m = row_max(x, V, nan);
+  for (int64_t j = 0; j < V; ++j)
+    if (nan ? std::isnan(x[j]) : x[j] == m) return j;
+  return 0;  // all -inf
 }
 
 // How many x >= t.

@@ -7,7 +7,6 @@ one matrix each at load time, so a layer is four matrix products.
 from __future__ import annotations
 
 import logging
-
 import math
 from dataclasses import asdict, dataclass
 from typing import Any
