@@ -710,14 +710,34 @@ __attribute__((target("avx512f,avx512bw"))) void quantize_row_block512(const flo
   if (ok) sa = da * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
 }
 
+// x's rows quantized per block of 32 k. The portable tiles read them row by row. The vector tiles
+// read each row group (a tile's rows m0 .. m0+mr-1, grp0 / grpn giving every row's m0 and mr)
+// interleaved: the group's quants start at xq + m0 * K, where 32-bit word (kb * STEPS + s) * mr + j
+// holds row j's quants of step s of block kb (2 int16 or 4 int8, the ones one broadcast takes),
+// and its scales start at m0 * KB, row j's of block kb at kb * mr + j. Every broadcast of a tile
+// is then one base register plus a constant offset; with rows K apart the compiler kept a
+// pointer per row and step on the stack and reloaded it for every broadcast (2-5 % slower).
 template <int BITS>
-void quantize_rows(const float* x, int64_t M, int64_t K, bool vec, act_t<BITS>* xq, float* da, float* sa) {
+void quantize_rows(const float* x, int64_t M, int64_t K, bool vec, const int64_t* grp0, const int64_t* grpn,
+                   act_t<BITS>* xq, float* da, float* sa) {
   const int64_t KB = K / QB;
+  constexpr int64_t STEPS = QB * (BITS / 8) / 4;  // dwords of quants per block of 32
   at::parallel_for(0, M * KB, 256, [&](int64_t lo, int64_t hi) {
+    alignas(64) act_t<BITS> qb[QB];
     for (int64_t i = lo; i < hi; ++i) {
       const int64_t r = i / KB, kb = i % KB;
-      (vec ? quantize_row_block512<BITS> : quantize_row_block<BITS>)(x + r * K + kb * QB, xq + r * K + kb * QB,
-                                                                       da[i], sa[i]);
+      if (!vec) {
+        quantize_row_block<BITS>(x + r * K + kb * QB, xq + r * K + kb * QB, da[i], sa[i]);
+        continue;
+      }
+      const int64_t m0 = grp0[r], mr = grpn[r], j = r - m0;
+      float d, s;
+      quantize_row_block512<BITS>(x + r * K + kb * QB, qb, d, s);
+      da[m0 * KB + kb * mr + j] = d;
+      sa[m0 * KB + kb * mr + j] = s;
+      int32_t* dst = reinterpret_cast<int32_t*>(xq + m0 * K) + kb * STEPS * mr + j;
+      const int32_t* src = reinterpret_cast<const int32_t*>(qb);
+      for (int64_t t = 0; t < STEPS; ++t) dst[t * mr] = src[t];
     }
   });
 }
@@ -742,7 +762,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_int(const act_t
     const char* ahead = reinterpret_cast<const char*>(blk + PFQ * BYTES);
 #pragma GCC unroll 4
     for (int64_t i = 0; i < BYTES; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
-    const act_t<BITS>* xk = xq + kb * QB;
+    // x's quants in the row group's layout: dword (step, row) at step * MR + row
+    const int32_t* xk = reinterpret_cast<const int32_t*>(xq) + kb * (QB * (BITS / 8) / 4) * MR;
     __m512i s0[MR], s1[MR];
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) s0[r] = s1[r] = _mm512_setzero_si512();
@@ -772,9 +793,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_int(const act_t
       }
 #pragma GCC unroll 16
       for (int r = 0; r < MR; ++r) {
-        int32_t both;  // 4 int8 or 2 int16 quants of x
-        std::memcpy(&both, xk + r * K + g * (BITS == 8 ? 4 : 2), 4);
-        const __m512i av = _mm512_set1_epi32(both);
+        const __m512i av = _mm512_set1_epi32(xk[g * MR + r]);  // 4 int8 or 2 int16 quants of x
         if constexpr (BITS == 8) {
           s0[r] = _mm512_dpbusd_epi32(s0[r], w0, av);
           s1[r] = _mm512_dpbusd_epi32(s1[r], w1, av);
@@ -789,9 +808,9 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_int(const act_t
     const __m512 m0 = F == kIQ4 ? _mm512_loadu_ps(sc + 32) : d0, m1 = F == kIQ4 ? _mm512_loadu_ps(sc + 48) : d1;
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
-      const __m512 dr = _mm512_set1_ps(da[r * KB + kb]);
+      const __m512 dr = _mm512_set1_ps(da[kb * MR + r]);
       // Q8: m = -128 d, and m * sa = d * (-128 sa) exactly (a power of two)
-      const __m512 sr = _mm512_set1_ps(F == kIQ4 ? sa[r * KB + kb] : -128.f * sa[r * KB + kb]);
+      const __m512 sr = _mm512_set1_ps(F == kIQ4 ? sa[kb * MR + r] : -128.f * sa[kb * MR + r]);
       c0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0[r]), _mm512_mul_ps(d0, dr), c0[r]);
       c1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1[r]), _mm512_mul_ps(d1, dr), c1[r]);
       c0[r] = _mm512_fmadd_ps(m0, sr, c0[r]);
@@ -879,8 +898,14 @@ void run_int(const torch::Tensor& x, const uint8_t* w, int64_t n, IFmt f, bool v
   // plain pointers for the worker threads (inside them the thread_local names are their own copies)
   act_t<BITS>* xqp = xq.data();
   float *dap = da.data(), *sap = sa.data();
-  quantize_rows<BITS>(x.data_ptr<float>(), M, K, vec, xqp, dap, sap);
   const int64_t mr_max = vec ? MRI : 4;
+  thread_local std::vector<int64_t> g0, gn;  // each row's group (first row, rows), as the tiles take them
+  g0.resize(M), gn.resize(M);
+  for (int64_t m_lo = 0; m_lo < M; m_lo += MCHUNK)
+    for_row_blocks(m_lo, std::min(MCHUNK, M - m_lo), mr_max, [&](int64_t m0, int64_t mr) {
+      for (int64_t r = m0; r < m0 + mr; ++r) g0[r] = m0, gn[r] = mr;
+    });
+  quantize_rows<BITS>(x.data_ptr<float>(), M, K, vec, g0.data(), gn.data(), xqp, dap, sap);
   for_panels(M, NP, MCHUNK, [&](int64_t p, int64_t m_lo, int64_t rows) {
     const int ncols = static_cast<int>(std::min<int64_t>(NB, n - p * NB));
     for_row_blocks(m_lo, rows, mr_max, [&](int64_t m0, int64_t mr) {
