@@ -148,6 +148,34 @@ def test_integer_gemm_rejects_bad_input():
 
 
 @pytest.mark.parametrize("bits", BITS)
+def test_gated_product_is_silu_mul_then_the_product_bit_for_bit(bits):
+    """gemm_int(gated) takes [gate | up] and multiplies silu(gate) * up, the SiLU taken while the
+    activations are quantized: on every code path and row count (one or more tiles, more than one
+    512-row pass) its bits are those of the fused ops' silu_mul followed by the product, saturating
+    gates included; Linear.gated does the same; a width other than twice K is refused."""
+    from batchserve.runner.kernels import fused_ops_ext
+
+    ext, fused = gemm_ext(), fused_ops_ext()
+    if fused is None:
+        pytest.skip("no fused ops")
+    raw, _ = _blocks(70, 96, "Q4_1", seed=5)
+    wq = ext.pack_int(raw, 0, bits)
+    paths = [p for p in ISAS.values() if p == 0 or ext.has_vnni()]
+    g = torch.Generator().manual_seed(11)
+    for m in (1, 6, 13, 600):
+        gu = torch.randn(m, 192, generator=g) * 4
+        gu[0, :3] = torch.tensor([100.0, -100.0, -1e4])  # saturating sigmoid on both sides
+        want = {p: ext.gemm_int(fused.silu_mul(gu), wq, 70, 0, bits, p) for p in paths}
+        for p in paths:
+            assert torch.equal(ext.gemm_int(gu, wq, 70, 0, bits, p, True), want[p]), (m, p)
+    lin = Linear.from_blocks(raw, 0, act_bits=bits)
+    assert lin.takes_gate_up and torch.equal(lin.gated(gu), lin(fused.silu_mul(gu)))
+    assert not Linear.from_blocks(raw, 0).takes_gate_up  # float32 products: silu_mul, then the product
+    with pytest.raises(RuntimeError, match="gate and up"):
+        ext.gemm_int(torch.randn(2, 96), wq, 70, 0, bits, -1, True)
+
+
+@pytest.mark.parametrize("bits", BITS)
 def test_integer_linear_flattens_leading_dims_and_gives_the_dense_weight_back(bits):
     raw, dense = _blocks(48, 64, "Q8_0")
     lin = Linear.from_blocks(raw, 1, act_bits=bits)

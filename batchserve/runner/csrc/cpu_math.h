@@ -116,6 +116,15 @@ inline float exp_nonpos(float x) {
   return p * scale;
 }
 
+// silu(g) * u, the sigmoid taken from exp(-|g|) so that nothing overflows on either side. The
+// fused SiLU * up and the integer product that takes the gate and up halves (gemm_int, gated)
+// both call this, so they give the same bits.
+inline float silu_mul1(float g, float u) {
+  const float e = exp_nonpos(-std::fabs(g));
+  const float r = 1.f / (1.f + e);
+  return g * ((g >= 0.f ? 1.f : e) * r) * u;
+}
+
 #if defined(__AVX512F__)
 // exp(x) for x <= 0 on 16 lanes; the same polynomial as exp_nonpos, with k rounded to nearest and
 // scalef doing the 2^k.

@@ -200,23 +200,11 @@ torch::Tensor silu_mul(torch::Tensor gu) {
       if (bf) {
         const uint16_t* g = static_cast<const uint16_t*>(ip) + t * 2 * I;
         uint16_t* y = static_cast<uint16_t*>(op) + t * I;
-        for (int64_t i = 0; i < I; ++i) {
-          const float a = bf16_to_float(g[i]);
-          const float e = exp_nonpos(-std::fabs(a));  // sigmoid from exp(-|a|): no overflow either side
-          const float r = 1.f / (1.f + e);
-          const float sig = (a >= 0.f ? 1.f : e) * r;
-          y[i] = float_to_bf16(a * sig * bf16_to_float(g[i + I]));
-        }
+        for (int64_t i = 0; i < I; ++i) y[i] = float_to_bf16(batchserve::silu_mul1(bf16_to_float(g[i]), bf16_to_float(g[i + I])));
       } else {
         const float* g = static_cast<const float*>(ip) + t * 2 * I;
         float* y = static_cast<float*>(op) + t * I;
-        for (int64_t i = 0; i < I; ++i) {
-          const float a = g[i];
-          const float e = exp_nonpos(-std::fabs(a));
-          const float r = 1.f / (1.f + e);
-          const float sig = (a >= 0.f ? 1.f : e) * r;
-          y[i] = a * sig * g[i + I];
-        }
+        for (int64_t i = 0; i < I; ++i) y[i] = batchserve::silu_mul1(g[i], g[i + I]);
       }
     }
   });

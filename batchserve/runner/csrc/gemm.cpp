@@ -26,6 +26,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_math.h"
+
 namespace {
 
 constexpr int NB = 32;       // panel width: output columns per panel
@@ -717,27 +719,34 @@ __attribute__((target("avx512f,avx512bw"))) void quantize_row_block512(const flo
 // and its scales start at m0 * KB, row j's of block kb at kb * mr + j. Every broadcast of a tile
 // is then one base register plus a constant offset; with rows K apart the compiler kept a
 // pointer per row and step on the stack and reloaded it for every broadcast (2-5 % slower).
+// `gated`: x's rows are [gate | up], 2K wide, and the rows quantized are silu(gate) * up.
 template <int BITS>
-void quantize_rows(const float* x, int64_t M, int64_t K, bool vec, const int64_t* grp0, const int64_t* grpn,
-                   act_t<BITS>* xq, float* da, float* sa) {
-  const int64_t KB = K / QB;
+void quantize_rows(const float* x, int64_t M, int64_t K, bool gated, bool vec, const int64_t* grp0,
+                   const int64_t* grpn, act_t<BITS>* xq, float* da, float* sa) {
+  const int64_t KB = K / QB, stride = gated ? 2 * K : K;
   constexpr int64_t STEPS = QB * (BITS / 8) / 4;  // dwords of quants per block of 32
   at::parallel_for(0, M * KB, 256, [&](int64_t lo, int64_t hi) {
     alignas(64) act_t<BITS> qb[QB];
+    alignas(64) float gv[QB];
     for (int64_t i = lo; i < hi; ++i) {
       const int64_t r = i / KB, kb = i % KB;
+      const float* src = x + r * stride + kb * QB;
+      if (gated) {
+        for (int e = 0; e < QB; ++e) gv[e] = batchserve::silu_mul1(src[e], src[e + K]);
+        src = gv;
+      }
       if (!vec) {
-        quantize_row_block<BITS>(x + r * K + kb * QB, xq + r * K + kb * QB, da[i], sa[i]);
+        quantize_row_block<BITS>(src, xq + r * K + kb * QB, da[i], sa[i]);
         continue;
       }
       const int64_t m0 = grp0[r], mr = grpn[r], j = r - m0;
       float d, s;
-      quantize_row_block512<BITS>(x + r * K + kb * QB, qb, d, s);
+      quantize_row_block512<BITS>(src, qb, d, s);
       da[m0 * KB + kb * mr + j] = d;
       sa[m0 * KB + kb * mr + j] = s;
       int32_t* dst = reinterpret_cast<int32_t*>(xq + m0 * K) + kb * STEPS * mr + j;
-      const int32_t* src = reinterpret_cast<const int32_t*>(qb);
-      for (int64_t t = 0; t < STEPS; ++t) dst[t * mr] = src[t];
+      const int32_t* words = reinterpret_cast<const int32_t*>(qb);
+      for (int64_t t = 0; t < STEPS; ++t) dst[t * mr] = words[t];
     }
   });
 }
@@ -882,9 +891,9 @@ void check_int(const torch::Tensor& wq, int64_t n, IFmt f, int64_t bits, const c
 }
 
 template <int BITS>
-void run_int(const torch::Tensor& x, const uint8_t* w, int64_t n, IFmt f, bool vec, float* c, int64_t NP,
-             int64_t KB) {
-  const int64_t M = x.size(0), K = x.size(1), bytes = int_block_bytes(f);
+void run_int(const torch::Tensor& x, bool gated, const uint8_t* w, int64_t n, IFmt f, bool vec, float* c,
+             int64_t NP, int64_t KB) {
+  const int64_t M = x.size(0), K = KB * QB, bytes = int_block_bytes(f);
   const TileIntFn<BITS>* table;
   if constexpr (BITS == 8)
     table = vec ? (f == kIQ4 ? tile_i8_q4_table : tile_i8_q8_table) : (f == kIQ4 ? tile_i8p_q4_table : tile_i8p_q8_table);
@@ -905,7 +914,7 @@ void run_int(const torch::Tensor& x, const uint8_t* w, int64_t n, IFmt f, bool v
     for_row_blocks(m_lo, std::min(MCHUNK, M - m_lo), mr_max, [&](int64_t m0, int64_t mr) {
       for (int64_t r = m0; r < m0 + mr; ++r) g0[r] = m0, gn[r] = mr;
     });
-  quantize_rows<BITS>(x.data_ptr<float>(), M, K, vec, g0.data(), gn.data(), xqp, dap, sap);
+  quantize_rows<BITS>(x.data_ptr<float>(), M, K, gated, vec, g0.data(), gn.data(), xqp, dap, sap);
   for_panels(M, NP, MCHUNK, [&](int64_t p, int64_t m_lo, int64_t rows) {
     const int ncols = static_cast<int>(std::min<int64_t>(NB, n - p * NB));
     for_row_blocks(m_lo, rows, mr_max, [&](int64_t m0, int64_t mr) {
@@ -972,13 +981,20 @@ torch::Tensor unpack_int(torch::Tensor wq, int64_t n, int64_t fmt, int64_t bits)
 
 // x [M, K] float32 times the integer panels' W^T -> float32 [M, n], x quantized to `bits`-bit
 // integers per block of 32 k first. `isa_override`: -1 best, 0 portable, 2 AVX-512 VNNI.
+// `gated`: x is [M, 2K], a gate and an up projection side by side (the MLP's fused gate/up
+// product), and the product is silu(gate) * up times W^T, the SiLU taken as the activations are
+// quantized: the same bits as silu_mul followed by this product, without writing its [M, K]
+// result and reading it back.
 torch::Tensor gemm_int(torch::Tensor x, torch::Tensor wq, int64_t n, int64_t fmt, int64_t bits,
-                       int64_t isa_override) {
+                       int64_t isa_override, bool gated) {
   const IFmt f = static_cast<IFmt>(fmt);
   check_int(wq, n, f, bits, "gemm_int");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
               "gemm_int: x must be a contiguous float32 CPU matrix [M, K]");
-  const int64_t M = x.size(0), K = x.size(1), NP = wq.size(0), KB = wq.size(1);
+  const int64_t M = x.size(0), K = x.size(1) / (gated ? 2 : 1), NP = wq.size(0), KB = wq.size(1);
+  if (gated)
+    TORCH_CHECK(x.size(1) == 2 * KB * QB, "gemm_int: gated x has ", x.size(1), " columns (gate and up) but the ",
+                "packed weight has K=", KB * QB, ", so it needs ", 2 * KB * QB);
   TORCH_CHECK(KB * QB == K, "gemm_int: x has K=", K, " but the packed weight has K=", KB * QB);
   static const bool vnni = cpu_has_vnni();
   TORCH_CHECK(isa_override == -1 || isa_override == kPortable || (isa_override == kAvx512 && vnni),
@@ -986,7 +1002,7 @@ torch::Tensor gemm_int(torch::Tensor x, torch::Tensor wq, int64_t n, int64_t fmt
   const bool vec = isa_override == -1 ? vnni : isa_override == kAvx512;
   auto y = torch::empty({M, n}, x.options());
   if (M == 0 || n == 0) return y;
-  (bits == 8 ? run_int<8> : run_int<16>)(x, wq.data_ptr<uint8_t>(), n, f, vec, y.data_ptr<float>(), NP, KB);
+  (bits == 8 ? run_int<8> : run_int<16>)(x, gated, wq.data_ptr<uint8_t>(), n, f, vec, y.data_ptr<float>(), NP, KB);
   return y;
 }
 
@@ -1135,7 +1151,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("fmt"), py::arg("bits") = 8);
   m.def("gemm_int", &gemm_int, "x [M, K] quantized to int8/int16 per 32 k @ W^T from integer panels -> float32 [M, n]",
         nogil, py::arg("x"), py::arg("wq"), py::arg("n"), py::arg("fmt"), py::arg("bits") = 8,
-        py::arg("isa_override") = -1);
+        py::arg("isa_override") = -1, py::arg("gated") = false);
   m.def("gemm_q", &gemm_q, "x [M, K] @ W^T from block-quantized panels -> [M, n]", nogil, py::arg("x"), py::arg("wq"),
         py::arg("n"), py::arg("fmt"), py::arg("isa_override") = -1, py::arg("fused_rows") = -1);
 }
