@@ -86,19 +86,32 @@ torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> delta, 
 namespace {
 
 // One token's K or V row into the cache, as float32, bfloat16 or float16 (saturating, see
-// cpu_math.h).
+// cpu_math.h). `stream`: a float16 row of whole 64-byte lines goes out with non-temporal stores,
+// which do not read the lines first: a decode step writes one row per request into lines no one
+// has touched since the pool was allocated, and reading them for ownership cost ~40 us a layer
+// at batch 64 (the write itself ~8). Only for decode-sized steps: a prompt chunk's rows are read
+// back at once by its attention, and should stay in cache.
 template <typename C>
-inline void store_row(C* dst, const float* src, int64_t n) {
+inline void store_row(C* dst, const float* src, int64_t n, bool stream = false) {
   if constexpr (std::is_same<C, uint16_t>::value) {
     for (int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i]);
   } else if constexpr (std::is_same<C, fp16_t>::value) {
     int64_t i = 0;
 #if defined(__AVX512F__)
     const __m512 lo = _mm512_set1_ps(-batchserve::kFp16Max), hi = _mm512_set1_ps(batchserve::kFp16Max);
+    const int h = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    if (stream && n % 32 == 0 && reinterpret_cast<uintptr_t>(dst) % 64 == 0) {
+      for (; i < n; i += 32) {  // two conversions fill one line
+        const __m512 x0 = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_loadu_ps(src + i)));
+        const __m512 x1 = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_loadu_ps(src + i + 16)));
+        const __m512i line = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtps_ph(x0, h)), _mm512_cvtps_ph(x1, h), 1);
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), line);
+      }
+      return;
+    }
     for (; i + 16 <= n; i += 16) {  // max/min return their second operand for a NaN: it stays NaN
       const __m512 x = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_loadu_ps(src + i)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
-                          _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_cvtps_ph(x, h));
     }
 #endif
     for (; i < n; ++i) dst[i] = batchserve::float_to_fp16(src[i]);
@@ -107,6 +120,8 @@ inline void store_row(C* dst, const float* src, int64_t n) {
   }
 }
 
+constexpr int64_t kStreamRows = 256;  // steps of up to this many tokens stream their K/V rows out
+
 template <typename In, typename C>
 void rope_store_rows(const In* qkv, const float* cos, const float* sin, const int64_t* slots, C* kc, C* vc,
                      float* out, int64_t T, int64_t nh, int64_t nkv, int64_t hd) {
@@ -114,6 +129,7 @@ void rope_store_rows(const In* qkv, const float* cos, const float* sin, const in
   auto load = [](In v) -> float {
     if constexpr (std::is_same<In, uint16_t>::value) return bf16_to_float(v); else return v;
   };
+  const bool stream = T <= kStreamRows;
   at::parallel_for(0, T, grain(width), [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
       const In* src = qkv + t * width;
@@ -133,9 +149,12 @@ void rope_store_rows(const In* qkv, const float* cos, const float* sin, const in
       float* vo = dst + (nh + nkv) * hd;
       for (int64_t i = 0; i < row; ++i) vo[i] = load(v[i]);
       const int64_t slot = slots[t];
-      store_row(kc + slot * row, dst + nh * hd, row);
-      store_row(vc + slot * row, vo, row);
+      store_row(kc + slot * row, dst + nh * hd, row, stream);
+      store_row(vc + slot * row, vo, row, stream);
     }
+#if defined(__AVX512F__)
+    if (stream) _mm_sfence();  // the streamed rows are visible before attention reads them
+#endif
   });
 }
 
