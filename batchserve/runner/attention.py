@@ -48,6 +48,7 @@ class AttnMeta:
     dec_contiguous: bool  # decode rows are one contiguous range [dec_lo, dec_hi)
     dec_lo: int = 0
     dec_hi: int = 0
+    decode_only: bool = False  # every token is a decode and the C++ kernel runs: its output is the answer
     kernel: Any = None  # compiled decode kernel (runner/kernels.py), or None for the PyTorch path
     dec_tables: torch.Tensor | None = None  # [Bd, max_blocks] block tables, for the kernel
     dec_lens: torch.Tensor | None = None  # [Bd] context lengths, for the kernel
@@ -99,6 +100,7 @@ class AttnMeta:
                 meta.dec_mask = (torch.arange(tmax)[None, :] < lens[:, None])[:, None, None, :].to(device)
             meta.dec_contiguous = dec_rows == list(range(dec_rows[0], dec_rows[0] + len(dec_rows)))
             meta.dec_lo, meta.dec_hi = dec_rows[0], dec_rows[0] + len(dec_rows)
+            meta.decode_only = kernel is not None and not prefills and meta.dec_contiguous and len(dec_rows) == flat
         return meta
 
 
@@ -122,8 +124,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if not stored:
         k_cache.index_copy_(0, meta.slot_mapping, to_cache_dtype(k, k_cache.dtype))
         v_cache.index_copy_(0, meta.slot_mapping, to_cache_dtype(v, v_cache.dtype))
-    if (meta.kernel is not None and not meta.prefills and meta.dec_contiguous
-            and meta.dec_hi - meta.dec_lo == T):  # a pure decode step: the kernel's output is the answer
+    if meta.decode_only:  # a pure decode step: the kernel's output is the answer
         return meta.kernel.paged_decode(q, k_cache, v_cache, meta.dec_tables, meta.dec_lens,
                                         meta.block_size, hd ** -0.5)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
