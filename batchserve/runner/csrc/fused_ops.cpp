@@ -89,8 +89,8 @@ namespace {
 // cpu_math.h). `stream`: a float16 row of whole 64-byte lines goes out with non-temporal stores,
 // which do not read the lines first: a decode step writes one row per request into lines no one
 // has touched since the pool was allocated, and reading them for ownership cost ~40 us a layer
-// at batch 64 (the write itself ~8). Only for decode-sized steps: a prompt chunk's rows are read
-// back at once by its attention, and should stay in cache.
+// at batch 64 (the write itself ~8). Only for decode steps: a prompt chunk's rows are read back
+// at once by its attention, and should stay in cache.
 template <typename C>
 inline void store_row(C* dst, const float* src, int64_t n, bool stream = false) {
   if constexpr (std::is_same<C, uint16_t>::value) {
@@ -120,16 +120,13 @@ inline void store_row(C* dst, const float* src, int64_t n, bool stream = false) 
   }
 }
 
-constexpr int64_t kStreamRows = 256;  // steps of up to this many tokens stream their K/V rows out
-
 template <typename In, typename C>
 void rope_store_rows(const In* qkv, const float* cos, const float* sin, const int64_t* slots, C* kc, C* vc,
-                     float* out, int64_t T, int64_t nh, int64_t nkv, int64_t hd) {
+                     float* out, int64_t T, int64_t nh, int64_t nkv, int64_t hd, bool stream) {
   const int64_t half = hd / 2, width = (nh + 2 * nkv) * hd, row = nkv * hd;
   auto load = [](In v) -> float {
     if constexpr (std::is_same<In, uint16_t>::value) return bf16_to_float(v); else return v;
   };
-  const bool stream = T <= kStreamRows;
   at::parallel_for(0, T, grain(width), [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
       const In* src = qkv + t * width;
@@ -163,8 +160,9 @@ void rope_store_rows(const In* qkv, const float* cos, const float* sin, const in
 // qkv: [T, (nh + 2 nkv) * hd] float32 or bfloat16, the fused QKV product; cos, sin: [T, hd/2]
 // float32; slots: [T] int64. Applies RoPE to q and k, writes k and v into the caches ([slots, nkv,
 // hd], float32, bfloat16 or float16) at `slots`, and returns q, k, v as one float32 tensor [T, nh + 2 nkv, hd].
+// `stream` (a decode step): float16 rows go to the cache with non-temporal stores (store_row).
 torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
-                         torch::Tensor k_cache, torch::Tensor v_cache, int64_t nh, int64_t nkv) {
+                         torch::Tensor k_cache, torch::Tensor v_cache, int64_t nh, int64_t nkv, bool stream) {
   check_rows(qkv, "rope_store qkv");
   const int64_t T = qkv.size(0);
   TORCH_CHECK(qkv.size(1) % (nh + 2 * nkv) == 0, "rope_store: qkv width is not (nh + 2 nkv) * hd");
@@ -190,13 +188,13 @@ torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
   auto with_cache = [&](const auto* in) {
     if (cdt == torch::kBFloat16)
       rope_store_rows(in, c, s, sp, static_cast<uint16_t*>(k_cache.data_ptr()),
-                      static_cast<uint16_t*>(v_cache.data_ptr()), o, T, nh, nkv, hd);
+                      static_cast<uint16_t*>(v_cache.data_ptr()), o, T, nh, nkv, hd, stream);
     else if (cdt == torch::kHalf)
       rope_store_rows(in, c, s, sp, static_cast<fp16_t*>(k_cache.data_ptr()), static_cast<fp16_t*>(v_cache.data_ptr()),
-                      o, T, nh, nkv, hd);
+                      o, T, nh, nkv, hd, stream);
     else
       rope_store_rows(in, c, s, sp, static_cast<float*>(k_cache.data_ptr()), static_cast<float*>(v_cache.data_ptr()),
-                      o, T, nh, nkv, hd);
+                      o, T, nh, nkv, hd, stream);
   };
   if (qkv.scalar_type() == torch::kBFloat16)
     with_cache(static_cast<const uint16_t*>(qkv.data_ptr()));
@@ -455,7 +453,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // event loop thread keeps answering while the engine thread is inside them.
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("add_rms_norm", &add_rms_norm, "x += delta in place; rms_norm(x) * w (float32 or bfloat16 out)", nogil);
-  m.def("rope_store", &rope_store, "RoPE on q, k; k, v into the paged cache; q, k, v as float32", nogil);
+  m.def("rope_store", &rope_store, "RoPE on q, k; k, v into the paged cache; q, k, v as float32", nogil,
+        py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("slots"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("nh"), py::arg("nkv"), py::arg("stream") = false);
   m.def("silu_mul", &silu_mul, "silu(gate) * up from the fused gate/up product", nogil);
   m.def("sample_rows", &sample_rows, "greedy or top-k / top-p draws per row, with the caller's uniforms", nogil);
   m.def("fp16_from_float_portable", &fp16_from_float_portable, "float32 -> float16 bits, the portable path (tests)");

@@ -446,7 +446,7 @@ class LlamaModel(nn.Module):
         for (attn_norm, qkv_fn, o_fn, mlp_norm, gate_up_fn, down_fn, gated_fn), (k_cache, v_cache) in zip(
                 self._fused_layers(), kv_caches):
             h = norm(x, delta, attn_norm, eps, bf)
-            qkv = rope_store(qkv_fn(h), cos, sin, slots, k_cache, v_cache, nh, nkv)
+            qkv = rope_store(qkv_fn(h), cos, sin, slots, k_cache, v_cache, nh, nkv, meta.decode_only)
             if meta.decode_only:
                 o = decode(qkv[:, :nh], k_cache, v_cache, tables, lens, bsz, scale)
             else:
