@@ -151,6 +151,11 @@ class Request:
         return len(self.output_token_ids)
 
     @property
+    def max_num_tokens(self) -> int:
+        """Prompt plus the most tokens it may generate: how far its KV can grow."""
+        return len(self.prompt_token_ids) + self.max_tokens
+
+    @property
     def hard_deadline(self) -> bool:
         """True when missing the deadline is failure; an unset kind counts as hard."""
         return self.deadline_ms is not None and self.deadline_kind != "soft"

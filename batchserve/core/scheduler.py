@@ -88,7 +88,7 @@ class Scheduler:
         the caller to fill. False, with nothing changed, when the blocks don't fit."""
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
-        if not self.kv.allocate(req.request_id, num_computed, req.num_prompt_tokens + req.params.max_tokens):
+        if not self.kv.allocate(req.request_id, num_computed, req.max_num_tokens):
             return False
         self.waiting.classify(req)
         self.requests[req.request_id] = req
@@ -270,8 +270,7 @@ class Scheduler:
         if not self.kv.has(req.request_id):
             req.num_computed_tokens = self.kv.match_prefix(req)
             n = min(n, req.num_tokens - req.num_computed_tokens)
-        if not self.kv.allocate(req.request_id, req.num_computed_tokens + n,
-                                req.num_prompt_tokens + req.params.max_tokens):
+        if not self.kv.allocate(req.request_id, req.num_computed_tokens + n, req.max_num_tokens):
             self.kv.free(req.request_id)
             req.num_computed_tokens = 0
             return None

@@ -87,10 +87,10 @@ namespace {
 
 // One token's K or V row into the cache, as float32, bfloat16 or float16 (saturating, see
 // cpu_math.h). `stream`: a float16 row of whole 64-byte lines goes out with non-temporal stores,
-// which do not read the lines first: a decode step writes one row per request into lines no one
-// has touched since the pool was allocated, and reading them for ownership cost ~40 us a layer
-// at batch 64 (the write itself ~8). Only for decode steps: a prompt chunk's rows are read back
-// at once by its attention, and should stay in cache.
+// which do not read the lines first: a decode step writes one row per request into lines nothing
+// has touched for a long time (at batch 64 the step's 30 calls took 0.98 ms so, 1.34 with
+// ordinary stores). Only for decode steps: a prompt chunk's rows are read back at once by its
+// attention, and should stay in cache.
 template <typename C>
 inline void store_row(C* dst, const float* src, int64_t n, bool stream = false) {
   if constexpr (std::is_same<C, uint16_t>::value) {
@@ -99,20 +99,18 @@ inline void store_row(C* dst, const float* src, int64_t n, bool stream = false) 
     int64_t i = 0;
 #if defined(__AVX512F__)
     const __m512 lo = _mm512_set1_ps(-batchserve::kFp16Max), hi = _mm512_set1_ps(batchserve::kFp16Max);
-    const int h = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    // 16 floats -> 16 halves, saturated (max/min return their second operand for a NaN: it stays NaN)
+    auto halves = [&](const float* p) {
+      return _mm512_cvtps_ph(_mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_loadu_ps(p))),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    };
     if (stream && n % 32 == 0 && reinterpret_cast<uintptr_t>(dst) % 64 == 0) {
-      for (; i < n; i += 32) {  // two conversions fill one line
-        const __m512 x0 = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_loadu_ps(src + i)));
-        const __m512 x1 = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_loadu_ps(src + i + 16)));
-        const __m512i line = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtps_ph(x0, h)), _mm512_cvtps_ph(x1, h), 1);
-        _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), line);
-      }
+      for (; i < n; i += 32)  // two conversions fill one line
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i),
+                            _mm512_inserti64x4(_mm512_castsi256_si512(halves(src + i)), halves(src + i + 16), 1));
       return;
     }
-    for (; i + 16 <= n; i += 16) {  // max/min return their second operand for a NaN: it stays NaN
-      const __m512 x = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_loadu_ps(src + i)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_cvtps_ph(x, h));
-    }
+    for (; i + 16 <= n; i += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), halves(src + i));
 #endif
     for (; i < n; ++i) dst[i] = batchserve::float_to_fp16(src[i]);
   } else {

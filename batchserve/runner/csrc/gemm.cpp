@@ -655,6 +655,9 @@ inline void int_pos(IFmt f, int bits, int e, int j, int64_t& byte, int& shift) {
 
 template <int BITS>
 using act_t = std::conditional_t<BITS == 8, int8_t, int16_t>;
+// Broadcast steps per block of 32 k: each takes one 32-bit word of a row's quants (4 int8 or 2 int16).
+template <int BITS>
+constexpr int act_steps() { return QB * (BITS / 8) / 4; }
 template <int BITS>
 constexpr float act_max() { return BITS == 8 ? 127.f : 32767.f; }
 
@@ -718,13 +721,13 @@ __attribute__((target("avx512f,avx512bw"))) void quantize_row_block512(const flo
 // holds row j's quants of step s of block kb (2 int16 or 4 int8, the ones one broadcast takes),
 // and its scales start at m0 * KB, row j's of block kb at kb * mr + j. Every broadcast of a tile
 // is then one base register plus a constant offset; with rows K apart the compiler kept a
-// pointer per row and step on the stack and reloaded it for every broadcast (2-5 % slower).
+// pointer per row and step on the stack and reloaded it for every broadcast (2-7 % slower).
 // `gated`: x's rows are [gate | up], 2K wide, and the rows quantized are silu(gate) * up.
 template <int BITS>
 void quantize_rows(const float* x, int64_t M, int64_t K, bool gated, bool vec, const int64_t* grp0,
                    const int64_t* grpn, act_t<BITS>* xq, float* da, float* sa) {
   const int64_t KB = K / QB, stride = gated ? 2 * K : K;
-  constexpr int64_t STEPS = QB * (BITS / 8) / 4;  // dwords of quants per block of 32
+  constexpr int64_t STEPS = act_steps<BITS>();
   at::parallel_for(0, M * KB, 256, [&](int64_t lo, int64_t hi) {
     alignas(64) act_t<BITS> qb[QB];
     alignas(64) float gv[QB];
@@ -771,12 +774,12 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_int(const act_t
     const char* ahead = reinterpret_cast<const char*>(blk + PFQ * BYTES);
 #pragma GCC unroll 4
     for (int64_t i = 0; i < BYTES; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
-    // x's quants in the row group's layout: dword (step, row) at step * MR + row
-    const int32_t* xk = reinterpret_cast<const int32_t*>(xq) + kb * (QB * (BITS / 8) / 4) * MR;
+    constexpr int STEPS = act_steps<BITS>();  // k-groups of 4 (int8) or pairs (int16)
+    // x's quants in the row group's layout: word (step, row) at step * MR + row
+    const int32_t* xk = reinterpret_cast<const int32_t*>(xq) + kb * STEPS * MR;
     __m512i s0[MR], s1[MR];
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) s0[r] = s1[r] = _mm512_setzero_si512();
-    constexpr int STEPS = BITS == 8 ? QB / 4 : QB / 2;  // k-groups of 4 (int8) or pairs (int16)
 #pragma GCC unroll 16
     for (int g = 0; g < STEPS; ++g) {
       __m512i w0, w1;

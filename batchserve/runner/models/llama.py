@@ -176,7 +176,7 @@ class Linear:
     Q4_K regrouped into the Q4_1 ones, Q6_K into int8 panels with a scale per 16 k);
     `onednn`: oneDNN on its blocked layout; `torch`: F.linear on the dense weight."""
 
-    __slots__ = ("w", "backend", "n", "k", "_gemm", "_gated", "fmt", "act_bits", "fn", "gated_fn")
+    __slots__ = ("w", "backend", "n", "k", "fmt", "act_bits", "fn", "gated_fn")
 
     @classmethod
     def from_blocks(cls, raw: torch.Tensor, src: int, act_bits: int = 0) -> "Linear":
@@ -199,18 +199,18 @@ class Linear:
                 raise ValueError(f"integer matrix products take GGUF sources {sorted(INT_SOURCES)} and 8- or 16-bit "
                                  f"activations, got source {src}, {act_bits} bits")
             fmt = 1 if src == 1 else 0
-            lin.w = ext.pack_int(raw, src, act_bits)
-            gemm_int = ext.gemm_int
-            lin._gemm = lambda x, w, n: gemm_int(x, w, n, fmt, act_bits)
-            lin._gated = lambda x, w, n: gemm_int(x, w, n, fmt, act_bits, -1, True)
+            lin.w = w = ext.pack_int(raw, src, act_bits)
+            gemm_int, n = ext.gemm_int, lin.n
+            lin.fn = lambda x: gemm_int(x, w, n, fmt, act_bits)
+            lin.gated_fn = lambda gu: gemm_int(gu, w, n, fmt, act_bits, -1, True)
         else:
             fmt = {1: 1, 4: 2}.get(src, 0)
-            lin.w = ext.pack_q(raw, src)
-            lin._gemm = lambda x, w, n: ext.gemm_q(x, w, n, fmt)
-            lin._gated = None
+            lin.w = w = ext.pack_q(raw, src)
+            gemm_q, n = ext.gemm_q, lin.n
+            lin.fn = lambda x: gemm_q(x, w, n, fmt)
+            lin.gated_fn = None
         lin.fmt = fmt
         lin.k = lin.w.shape[1] * 32
-        lin._bind()
         return lin
 
     def __init__(self, weight: torch.Tensor, backend: str = "torch") -> None:
@@ -220,8 +220,12 @@ class Linear:
         self.fmt = None  # GGUF block format (from_blocks)
         self.act_bits = 0
         self.n, self.k = weight.shape
-        self._gemm = None  # the C++ product for this weight's dtype (cpp backend)
-        self._gated = None  # the same taking [gate | up] (integer products only; see gated)
+        # fn(x): the product for a contiguous 2-D x, bound straight to the C++ GEMM where it runs
+        # (the fused decoder loop makes 120 such calls a step; with them bound, and the decode
+        # kernel called directly, the loop measured 1.02-1.06x faster at batch 1-12). gated_fn(gu):
+        # the product of silu(gate) * up for gu = [gate | up], where the product takes both
+        # halves (integer products); None where the caller runs silu_mul, then fn.
+        self.gated_fn = None
         if backend == "cpp":
             from batchserve.runner.kernels import gemm_ext
 
@@ -229,36 +233,21 @@ class Linear:
             if ext is None:
                 raise RuntimeError("linear backend cpp: the C++ panel GEMM did not build here")
             bf16 = weight.dtype == torch.bfloat16
-            self.w = ext.pack_bf16(weight) if bf16 else ext.pack(weight)
-            self._gemm = ext.gemm_bf16 if bf16 else ext.gemm
-        elif backend == "onednn":
-            self.w = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+            self.w = w = ext.pack_bf16(weight) if bf16 else ext.pack(weight)
+            gemm, n = (ext.gemm_bf16 if bf16 else ext.gemm), self.n
+            self.fn = lambda x: gemm(x, w, n)
         else:
-            self.w = weight
-        self._bind()
-
-    def _bind(self) -> None:
-        """`fn(x)`: the product for a contiguous 2-D x, bound straight to the C++ GEMM without
-        __call__'s checks (the fused decoder loop makes 120 such calls a step; with them bound,
-        and the decode kernel called directly, the loop measured 1.02-1.06x faster at batch
-        1-12). `gated_fn(gu)`: the product of silu(gate) * up, as one call where the product takes
-        [gate | up]; None where the caller must run silu_mul, then fn."""
-        if self.backend == "cpp":
-            g, w, n = self._gemm, self.w, self.n
-            self.fn = lambda x: g(x, w, n)
-            if self._gated is not None:
-                gg = self._gated
-                self.gated_fn = lambda gu: gg(gu, w, n)
-                return
-        else:
+            if backend == "onednn":
+                self.w = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+            else:
+                self.w = weight
             self.fn = self.__call__
-        self.gated_fn = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend == "cpp":
             if x.dim() != 2:
                 return self(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.n)
-            return self._gemm(x if x.is_contiguous() else x.contiguous(), self.w, self.n)
+            return self.fn(x if x.is_contiguous() else x.contiguous())
         if self.backend == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.w, None, "none", [-1], "")
         return F.linear(x, self.w)
@@ -266,13 +255,13 @@ class Linear:
     @property
     def takes_gate_up(self) -> bool:
         """Whether `gated` runs as one product (the integer one), not silu_mul then a product."""
-        return self._gated is not None
+        return self.gated_fn is not None
 
     def gated(self, gu: torch.Tensor) -> torch.Tensor:
         """(silu(gate) * up) W^T for gu = [gate | up] [T, 2K], the SiLU taken while the product
         quantizes its input (takes_gate_up): the bits of silu_mul then this product, without
         writing the [T, K] intermediate and reading it back (1 ms a layer in a 2,048-token step)."""
-        return self._gated(gu if gu.is_contiguous() else gu.contiguous(), self.w, self.n)
+        return self.gated_fn(gu if gu.is_contiguous() else gu.contiguous())
 
     @property
     def weight(self) -> torch.Tensor:
