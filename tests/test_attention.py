@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from batchserve.runner.attention import AttnMeta, paged_attention
+from batchserve.runner.attention import AttnMeta, gather_slots, paged_attention
 from batchserve.runner.kernels import paged_attention_ext
 
 
@@ -23,7 +23,7 @@ def test_mixed_batch_matches_full_causal_attention(backend):
     torch.manual_seed(0)
     n_h, n_kv, hd, bs = 6, 2, 16, 4
     num_blocks = 64
-    k_cache = torch.zeros(num_blocks * bs, n_kv, hd)
+    k_cache = torch.zeros(num_blocks, n_kv, bs, hd)
     v_cache = torch.zeros_like(k_cache)
     # request lengths; each step computes: a full prompt, a prompt chunk after 5 cached, decodes
     lens = {"a": 9, "b": 12, "c": 7, "d": 30}
@@ -63,9 +63,9 @@ def test_decode_kernel_matches_gathered_attention(cache_dtype, hd, g, bs):
     tables, free = [], torch.randperm(sum(-(-n // bs) for n in lens) + 8).tolist()
     for n in lens:
         tables.append([free.pop() for _ in range(-(-n // bs))])
-    slots = (max(max(t) for t in tables) + 1) * bs
-    k_cache = torch.randn(slots, n_kv, hd).to(cache_dtype)
-    v_cache = torch.randn(slots, n_kv, hd).to(cache_dtype)
+    blocks = max(max(t) for t in tables) + 1
+    k_cache = torch.randn(blocks, n_kv, bs, hd).to(cache_dtype)
+    v_cache = torch.randn(blocks, n_kv, bs, hd).to(cache_dtype)
     q = torch.randn(len(lens), n_h, hd)
     width = max(len(t) for t in tables)
     bt = torch.tensor([t + [0] * (width - len(t)) for t in tables])
@@ -73,8 +73,8 @@ def test_decode_kernel_matches_gathered_attention(cache_dtype, hd, g, bs):
     for i, n in enumerate(lens):
         pos = torch.arange(n)
         sl = torch.tensor(tables[i])[pos // bs] * bs + pos % bs
-        k = k_cache[sl].double().repeat_interleave(g, dim=1)  # [n, n_h, hd]
-        v = v_cache[sl].double().repeat_interleave(g, dim=1)
+        k = gather_slots(k_cache, sl).double().repeat_interleave(g, dim=1)  # [n, n_h, hd]
+        v = gather_slots(v_cache, sl).double().repeat_interleave(g, dim=1)
         p = torch.softmax(torch.einsum("hd,nhd->hn", q[i].double(), k) * hd ** -0.5, dim=-1)
         torch.testing.assert_close(out[i].double(), torch.einsum("hn,nhd->hd", p, v), rtol=1e-4, atol=1e-4)
 
@@ -96,9 +96,9 @@ def test_prefill_kernel_matches_float64(cache_dtype, hd, g, bs):
     tables, free = [], torch.randperm(sum(-(-(s + n) // bs) for s, n in plan) + 8).tolist()
     for s, n in plan:
         tables.append([free.pop() for _ in range(-(-(s + n) // bs))])
-    slots = (max(max(t) for t in tables) + 1) * bs
-    k_cache = torch.randn(slots, n_kv, hd).to(cache_dtype)
-    v_cache = torch.randn(slots, n_kv, hd).to(cache_dtype)
+    blocks = max(max(t) for t in tables) + 1
+    k_cache = torch.randn(blocks, n_kv, bs, hd).to(cache_dtype)
+    v_cache = torch.randn(blocks, n_kv, bs, hd).to(cache_dtype)
     T = sum(n for _, n in plan)
     qkv = torch.randn(T, n_h + 2 * n_kv, hd)
     q, k, v = qkv[:, :n_h], qkv[:, n_h:n_h + n_kv], qkv[:, n_h + n_kv:]  # strided, as in the fused forward
@@ -109,8 +109,8 @@ def test_prefill_kernel_matches_float64(cache_dtype, hd, g, bs):
     for (s, n), t in zip(plan, tables):
         pos = torch.arange(s + n)
         sl = torch.tensor(t)[pos // bs] * bs + pos % bs
-        kk = k_cache[sl].double().repeat_interleave(g, dim=1)  # [s + n, n_h, hd]
-        vv = v_cache[sl].double().repeat_interleave(g, dim=1)
+        kk = gather_slots(k_cache, sl).double().repeat_interleave(g, dim=1)  # [s + n, n_h, hd]
+        vv = gather_slots(v_cache, sl).double().repeat_interleave(g, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[flat:flat + n].double(), kk) * hd ** -0.5
         causal = torch.arange(s + n)[None, :] <= torch.arange(s, s + n)[:, None]
         p = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
@@ -139,9 +139,9 @@ def test_float16_cache_saturates_instead_of_overflowing():
     qkv[1, (nh + nkv) * hd + 3] = -1e9  # a value element
     qkv[1, (nh + nkv) * hd + 4] = float("nan")
     cos, sin = torch.ones(T, hd // 2), torch.zeros(T, hd // 2)
-    kc, vc = torch.zeros(8, nkv, hd, dtype=torch.float16), torch.zeros(8, nkv, hd, dtype=torch.float16)
-    ext.rope_store(qkv, cos, sin, torch.tensor([5, 2]), kc, vc, nh, nkv)
-    assert kc[5, 0, 0] == 65504.0 and vc[2, 0, 3] == -65504.0 and vc[2, 0, 4].isnan()
+    kc, vc = torch.zeros(2, nkv, 4, hd, dtype=torch.float16), torch.zeros(2, nkv, 4, hd, dtype=torch.float16)
+    ext.rope_store(qkv, cos, sin, torch.tensor([5, 2]), kc, vc, nh, nkv)  # slot 5: block 1, offset 1
+    assert kc[1, 0, 1, 0] == 65504.0 and vc[0, 0, 2, 3] == -65504.0 and vc[0, 0, 2, 4].isnan()
     kernel = paged_attention_ext()
     q = torch.randn(1, nh, hd) * 1e-3
     out = kernel.paged_decode(q, kc, kc, torch.tensor([[0, 1]]), torch.tensor([8]), 4, hd ** -0.5)

@@ -13,6 +13,7 @@ from batchserve.core.batch import ScheduledBatch, ScheduledSeq
 from batchserve.core.kv_cache import KVCacheManager
 from batchserve.profile import TINY_MODEL
 from batchserve.request import SamplingParams
+from batchserve.runner.attention import gather_slots
 from batchserve.runner.kernels import fused_ops_ext, paged_attention_ext
 from batchserve.runner.loader import load_model
 from batchserve.runner.model_runner import ModelRunner
@@ -51,26 +52,35 @@ def test_add_rms_norm(ext, rows):
     torch.testing.assert_close(x3, x)  # no delta: x untouched
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_store_rotates_and_writes_the_cache(ext, dtype):
+@pytest.mark.parametrize("dtype,cache_dtype,stream", [(torch.float32, torch.float32, False),
+                                                      (torch.bfloat16, torch.float32, False),
+                                                      (torch.float32, torch.float16, True)])
+def test_rope_store_rotates_and_writes_the_cache(ext, dtype, cache_dtype, stream):
+    """RoPE on q and k, and K/V rows written where the cache layout puts a slot's kv heads
+    ([blocks, nkv, block_size, hd]: slot s at block s // 8, offset s % 8), also with the
+    non-temporal stores of a decode step (`stream`)."""
     torch.manual_seed(1)
-    T, nh, nkv, hd = 7, 6, 2, 16
+    T, nh, nkv, hd, bs = 7, 6, 2, 32, 8
     qkv = torch.randn(T, (nh + 2 * nkv) * hd).to(dtype)
     ang = torch.rand(T, hd // 2) * 6
     cos, sin = ang.cos(), ang.sin()
     slots = torch.tensor([40, 3, 17, 0, 63, 8, 22])
-    kc, vc = torch.zeros(64, nkv, hd), torch.zeros(64, nkv, hd)
-    out = ext.rope_store(qkv, cos, sin, slots, kc, vc, nh, nkv)
+    kc, vc = torch.zeros(8, nkv, bs, hd, dtype=cache_dtype), torch.zeros(8, nkv, bs, hd, dtype=cache_dtype)
+    out = ext.rope_store(qkv, cos, sin, slots, kc, vc, nh, nkv, stream)
     x = qkv.float().view(T, nh + 2 * nkv, hd)
     q = apply_rope(x[:, :nh], cos[:, None], sin[:, None])
     k = apply_rope(x[:, nh:nh + nkv], cos[:, None], sin[:, None])
     v = x[:, nh + nkv:]
     torch.testing.assert_close(out, torch.cat([q, k, v], 1), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(kc[slots], k, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(vc[slots], v)
-    others = torch.ones(64, dtype=torch.bool)
-    others[slots] = False
-    assert not kc[others].any() and not vc[others].any()
+    tol = dict(rtol=1e-3, atol=1e-3) if cache_dtype == torch.float16 else dict(rtol=1e-5, atol=1e-5)
+    blk, off = slots // bs, slots % bs
+    for h in range(nkv):
+        torch.testing.assert_close(kc[blk, h, off].float(), k[:, h], **tol)
+        torch.testing.assert_close(vc[blk, h, off].float(), v[:, h], **tol)
+    torch.testing.assert_close(gather_slots(kc, slots).float(), k, **tol)  # the PyTorch path reads the same
+    others = torch.ones(8, bs, dtype=torch.bool)
+    others[blk, off] = False
+    assert not kc.permute(0, 2, 1, 3)[others].any() and not vc.permute(0, 2, 1, 3)[others].any()
     with pytest.raises(RuntimeError, match="slot out of range"):
         ext.rope_store(qkv, cos, sin, torch.tensor([0, 1, 2, 3, 4, 5, 64]), kc, vc, nh, nkv)
 

@@ -41,8 +41,8 @@ def case(kernel, b: int, ctx: int, reps: int) -> dict:
     tables = torch.randperm(total, generator=gen)[:b * nblk].view(b, nblk)
     lens = torch.full((b,), n, dtype=torch.long)
     q = torch.randn(b, N_H, HD, generator=gen)
-    caches = {dt: [(torch.randn(total * BS, N_KV, HD, generator=gen).to(dt),
-                    torch.randn(total * BS, N_KV, HD, generator=gen).to(dt)) for _ in range(LAYERS)]
+    caches = {dt: [(torch.randn(total, N_KV, BS, HD, generator=gen).to(dt),
+                    torch.randn(total, N_KV, BS, HD, generator=gen).to(dt)) for _ in range(LAYERS)]
               for dt in (torch.float32, torch.float16, torch.bfloat16)}
     out = {}
     for dt, layers in caches.items():

@@ -19,7 +19,7 @@ import torch
 
 from batchserve.bench.foundation import publish
 from batchserve.bench.roofline import median_time
-from batchserve.runner.attention import AttnMeta, paged_attention
+from batchserve.runner.attention import AttnMeta, gather_slots, paged_attention
 from batchserve.runner.kernels import paged_attention_ext
 
 TITLE = "## Prompt attention over the paged KV cache"
@@ -32,14 +32,14 @@ def case(kernel, nseq: int, n: int, cached: int, reps: int) -> dict:
     per = -(-ctx // BS)
     gen = torch.Generator().manual_seed(nseq * 7 + n + cached)
     nblocks = nseq * per + 4
-    k_cache = torch.randn(nblocks * BS, N_KV, HD, generator=gen)
-    v_cache = torch.randn(nblocks * BS, N_KV, HD, generator=gen)
+    k_cache = torch.randn(nblocks, N_KV, BS, HD, generator=gen)
+    v_cache = torch.randn(nblocks, N_KV, BS, HD, generator=gen)
     perm = torch.randperm(nblocks, generator=gen).tolist()
     seqs = [(cached, n, perm[i * per:(i + 1) * per]) for i in range(nseq)]
     q = torch.randn(nseq * n, N_H, HD, generator=gen)
     mk = AttnMeta.build(seqs, BS, torch.device("cpu"), kernel)
     mt = AttnMeta.build(seqs, BS, torch.device("cpu"), None)
-    k, v = k_cache.index_select(0, mk.slot_mapping), v_cache.index_select(0, mk.slot_mapping)
+    k, v = gather_slots(k_cache, mk.slot_mapping), gather_slots(v_cache, mk.slot_mapping)
     tk = median_time(lambda: paged_attention(q, k, v, k_cache, v_cache, mk, stored=True), reps)
     tt = median_time(lambda: paged_attention(q, k, v, k_cache, v_cache, mt, stored=True), reps)
     k16, v16 = k_cache.half(), v_cache.half()  # the default cache where the kernels run

@@ -1,8 +1,12 @@
 """Attention over the paged KV cache, for a flat batch mixing prompt chunks and decodes.
 
-Cache layout per layer: k, v of shape [num_blocks * block_size, n_kv, head_dim]; a token at
-position p of a request lives in slot block_table[p // block_size] * block_size + p % block_size.
-The metadata is built once per step (`AttnMeta.build`) and shared by every layer.
+Cache layout per layer: k, v of shape [num_blocks, n_kv, block_size, head_dim]. A token at
+position p of a request lives in slot block_table[p // block_size] * block_size + p % block_size,
+that is at offset p % block_size of its block, and each kv head's rows of a block are contiguous
+(so one kv head of 16 tokens is one run of memory for the C++ decode kernel: 1.35-1.4x faster from
+DRAM than a layout with all kv heads of a token side by side). `gather_slots` / `scatter_slots`
+read and write by slot. The metadata is built once per step (`AttnMeta.build`) and shared by
+every layer.
 """
 from __future__ import annotations
 
@@ -11,6 +15,29 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+
+def slot_rows(slots: torch.Tensor, n_kv: int, block_size: int) -> torch.Tensor:
+    """[S] slots -> [S, n_kv]: their rows in a cache viewed as [num_blocks * n_kv * block_size, head_dim]."""
+    first = slots // block_size * (n_kv * block_size) + slots % block_size
+    return first[:, None] + torch.arange(0, n_kv * block_size, block_size, device=slots.device)
+
+
+def gather_slots(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The cache's K or V at `slots` ([S]), as [S, n_kv, head_dim] (`rows`: slot_rows of them, if at hand)."""
+    _, n_kv, bs, hd = cache.shape
+    if rows is None:
+        rows = slot_rows(slots, n_kv, bs)
+    return cache.view(-1, hd).index_select(0, rows.reshape(-1)).view(-1, n_kv, hd)
+
+
+def scatter_slots(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,
+                  rows: torch.Tensor | None = None) -> None:
+    """Writes x [S, n_kv, head_dim] into the cache at `slots` ([S])."""
+    _, n_kv, bs, hd = cache.shape
+    if rows is None:
+        rows = slot_rows(slots, n_kv, bs)
+    cache.view(-1, hd).index_copy_(0, rows.reshape(-1), x.reshape(-1, hd).to(cache.dtype))
 
 
 @dataclass
@@ -45,7 +72,8 @@ class AttnMeta:
     dec_slots_flat: torch.Tensor | None  # the same, flattened [Bd * Tmax]
     dec_mask: torch.Tensor | None  # [Bd, 1, 1, Tmax] bool
     prefills: list[PrefillSpan]
-    dec_contiguous: bool  # decode rows are one contiguous range [dec_lo, dec_hi)
+    dec_contiguous: bool
+    rows: dict = field(default_factory=dict)  # slot_rows of slot_mapping / dec_slots_flat per n_kv, built on first use  # decode rows are one contiguous range [dec_lo, dec_hi)
     dec_lo: int = 0
     dec_hi: int = 0
     decode_only: bool = False  # every token is a decode and the C++ kernel runs: its output is the answer
@@ -115,6 +143,16 @@ def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
+def _rows(meta: AttnMeta, what: str, slots: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """slot_rows of one of meta's slot lists for this cache's shape, built once a step (every layer
+    shares it)."""
+    key = (what, cache.shape[1], cache.shape[2])
+    r = meta.rows.get(key)
+    if r is None:
+        r = meta.rows[key] = slot_rows(slots, cache.shape[1], cache.shape[2])
+    return r
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta,
                     stored: bool = False) -> torch.Tensor:
@@ -122,8 +160,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     (unless `stored`: the caller already did), then returns the attention output [T, n_h, hd]."""
     T, n_h, hd = q.shape
     if not stored:
-        k_cache.index_copy_(0, meta.slot_mapping, to_cache_dtype(k, k_cache.dtype))
-        v_cache.index_copy_(0, meta.slot_mapping, to_cache_dtype(v, v_cache.dtype))
+        rows = _rows(meta, "new", meta.slot_mapping, k_cache)
+        scatter_slots(k_cache, meta.slot_mapping, to_cache_dtype(k, k_cache.dtype), rows)
+        scatter_slots(v_cache, meta.slot_mapping, to_cache_dtype(v, v_cache.dtype), rows)
     if meta.decode_only:  # a pure decode step: the kernel's output is the answer
         return meta.kernel.paged_decode(q, k_cache, v_cache, meta.dec_tables, meta.dec_lens,
                                         meta.block_size, hd ** -0.5)
@@ -145,8 +184,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             ks, vs = k[sp.start:sp.end], v[sp.start:sp.end]  # [n, n_kv, hd]
         else:
             ctx_slots, mask = sp.context()
-            ks = k_cache.index_select(0, ctx_slots).to(q.dtype)  # [ctx, n_kv, hd]
-            vs = v_cache.index_select(0, ctx_slots).to(q.dtype)
+            rows = slot_rows(ctx_slots, k_cache.shape[1], k_cache.shape[2])
+            ks = gather_slots(k_cache, ctx_slots, rows).to(q.dtype)  # [ctx, n_kv, hd]
+            vs = gather_slots(v_cache, ctx_slots, rows).to(q.dtype)
         if g > 1:
             ks, vs = ks.repeat_interleave(g, dim=1), vs.repeat_interleave(g, dim=1)
         ks, vs = ks.transpose(0, 1)[None], vs.transpose(0, 1)[None]  # [1, n_h, ctx, hd]
@@ -176,8 +216,9 @@ def _decode_torch(qd: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     g = n_h // n_kv
     qd = qd.reshape(bd, n_kv, g, hd)  # the g query heads sharing a kv head act as g query rows
     tmax = meta.dec_slots.shape[1]
-    # index_select on the flat slot list is several times faster than 2-D advanced indexing here
-    kd = k_cache.index_select(0, meta.dec_slots_flat).to(qd.dtype).view(bd, tmax, n_kv, hd).transpose(1, 2)
-    vd = v_cache.index_select(0, meta.dec_slots_flat).to(qd.dtype).view(bd, tmax, n_kv, hd).transpose(1, 2)
+    # index_select on a flat row list is several times faster than 2-D advanced indexing here
+    rows = _rows(meta, "dec", meta.dec_slots_flat, k_cache)
+    kd = gather_slots(k_cache, meta.dec_slots_flat, rows).to(qd.dtype).view(bd, tmax, n_kv, hd).transpose(1, 2)
+    vd = gather_slots(v_cache, meta.dec_slots_flat, rows).to(qd.dtype).view(bd, tmax, n_kv, hd).transpose(1, 2)
     o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.dec_mask)  # [Bd, n_kv, g, hd]
     return o.reshape(bd, n_h, hd)

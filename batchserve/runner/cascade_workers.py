@@ -51,24 +51,23 @@ def _worker(conn, config: EngineConfig, staging: torch.Tensor, threads: int) -> 
         if cmd == "exec":
             conn.send(runner.execute(arg))
             continue
-        slots = (torch.tensor(arg, dtype=torch.long)[:, None] * bs + torch.arange(bs)).reshape(-1)
-        n = len(arg)
+        blocks = torch.tensor(arg, dtype=torch.long)
         with torch.no_grad():
-            _copy_blocks(runner.kv_caches, staging, slots, n, bs, cmd == "export")
+            _copy_blocks(runner.kv_caches, staging, blocks, cmd == "export")
         conn.send("ok")
 
 
-def _copy_blocks(kv_caches: list, staging: torch.Tensor, slots: torch.Tensor, n: int, bs: int,
-                 export: bool) -> None:
-    """Pool slots <-> staging[:n], every layer's K and V."""
+def _copy_blocks(kv_caches: list, staging: torch.Tensor, blocks: torch.Tensor, export: bool) -> None:
+    """Pool blocks <-> staging[:n], every layer's K and V (a cache is [blocks, n_kv, bs, hd])."""
+    n = len(blocks)
     for layer, (k, v) in enumerate(kv_caches):
-        view = staging[:n, layer]  # [n, 2, bs, n_kv, hd]
+        view = staging[:n, layer]  # [n, 2, n_kv, bs, hd]
         if export:
-            view[:, 0].copy_(k[slots].view(n, bs, *k.shape[1:]))
-            view[:, 1].copy_(v[slots].view(n, bs, *v.shape[1:]))
+            view[:, 0].copy_(k[blocks])
+            view[:, 1].copy_(v[blocks])
         else:
-            k[slots] = view[:, 0].reshape(n * bs, *k.shape[1:])
-            v[slots] = view[:, 1].reshape(n * bs, *v.shape[1:])
+            k.index_copy_(0, blocks, view[:, 0])
+            v.index_copy_(0, blocks, view[:, 1])
 
 
 class CascadeWorkersExecutor:
@@ -85,7 +84,7 @@ class CascadeWorkersExecutor:
         c = self.cfg
         self.block_size = config.cache.block_size
         dtype = resolve_kv_cache_dtype(config.model, config.cache)  # what the workers' caches hold
-        self._staging = torch.zeros((STAGING_BLOCKS, c.num_layers, 2, self.block_size, c.num_kv_heads, c.head_dim),
+        self._staging = torch.zeros((STAGING_BLOCKS, c.num_layers, 2, c.num_kv_heads, self.block_size, c.head_dim),
                                     dtype=dtype).share_memory_()
         self.block_bytes = self._staging[0].numel() * self._staging.element_size()
         ctx = mp.get_context("spawn")

@@ -10,7 +10,7 @@ import torch
 
 from batchserve.config import CacheConfig, ModelConfig, kv_cache_dtype_name
 from batchserve.core.batch import ScheduledBatch, StepOutput
-from batchserve.runner.attention import AttnMeta, to_cache_dtype
+from batchserve.runner.attention import AttnMeta, gather_slots, scatter_slots, slot_rows, to_cache_dtype
 from batchserve.runner.kernels import fused_ops_ext, paged_attention_ext
 from batchserve.runner.loader import LoadedModel
 from batchserve.runner.models.llama import LlamaModel, has_int_blocks
@@ -90,7 +90,7 @@ class ModelRunner:
         per_block = kv_bytes_per_block(self.cfg, self.block_size, self.kv_dtype)
         self.num_blocks = cache_cfg.num_blocks or max(1, int(cache_cfg.kv_cache_gb * 2**30) // per_block)
         slots = self.num_blocks * self.block_size
-        shape = (slots, self.cfg.num_kv_heads, self.cfg.head_dim)
+        shape = (self.num_blocks, self.cfg.num_kv_heads, self.block_size, self.cfg.head_dim)  # attention.py
         self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
                            torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
                           for _ in range(self.cfg.num_layers)]
@@ -142,7 +142,8 @@ class ModelRunner:
         """The K/V of a request's first `n` positions, as one CPU tensor [layers, 2, n, kv_heads, head_dim]."""
         slots = self._slots(block_table, n)
         with torch.inference_mode():
-            out = torch.stack([torch.stack((k.index_select(0, slots), v.index_select(0, slots)))
+            rows = slot_rows(slots, self.cfg.num_kv_heads, self.block_size)
+            out = torch.stack([torch.stack((gather_slots(k, slots, rows), gather_slots(v, slots, rows)))
                                for k, v in self.kv_caches])
         return out.cpu()
 
@@ -154,7 +155,8 @@ class ModelRunner:
             raise ValueError(f"KV hand-off: shape {tuple(kv.shape)} does not match this model's {expect}")
         slots = self._slots(block_table, n)
         kv = to_cache_dtype(kv.to(self.device), self.kv_dtype)
+        rows = slot_rows(slots, self.cfg.num_kv_heads, self.block_size)
         with torch.inference_mode():
             for layer, (k, v) in enumerate(self.kv_caches):
-                k.index_copy_(0, slots, kv[layer, 0])
-                v.index_copy_(0, slots, kv[layer, 1])
+                scatter_slots(k, slots, kv[layer, 0], rows)
+                scatter_slots(v, slots, kv[layer, 1], rows)

@@ -120,7 +120,7 @@ inline void store_row(C* dst, const float* src, int64_t n, bool stream = false) 
 
 template <typename In, typename C>
 void rope_store_rows(const In* qkv, const float* cos, const float* sin, const int64_t* slots, C* kc, C* vc,
-                     float* out, int64_t T, int64_t nh, int64_t nkv, int64_t hd, bool stream) {
+                     float* out, int64_t T, int64_t nh, int64_t nkv, int64_t hd, int64_t bs, bool stream) {
   const int64_t half = hd / 2, width = (nh + 2 * nkv) * hd, row = nkv * hd;
   auto load = [](In v) -> float {
     if constexpr (std::is_same<In, uint16_t>::value) return bf16_to_float(v); else return v;
@@ -143,9 +143,12 @@ void rope_store_rows(const In* qkv, const float* cos, const float* sin, const in
       const In* v = src + (nh + nkv) * hd;
       float* vo = dst + (nh + nkv) * hd;
       for (int64_t i = 0; i < row; ++i) vo[i] = load(v[i]);
-      const int64_t slot = slots[t];
-      store_row(kc + slot * row, dst + nh * hd, row, stream);
-      store_row(vc + slot * row, vo, row, stream);
+      // the cache is [blocks, nkv, bs, hd]: kv head h of slot blk * bs + off at (blk * nkv + h) * bs + off
+      const int64_t first = (slots[t] / bs * nkv * bs + slots[t] % bs) * hd;
+      for (int64_t h = 0; h < nkv; ++h) {
+        store_row(kc + first + h * bs * hd, dst + (nh + h) * hd, hd, stream);
+        store_row(vc + first + h * bs * hd, vo + h * hd, hd, stream);
+      }
     }
 #if defined(__AVX512F__)
     if (stream) _mm_sfence();  // the streamed rows are visible before attention reads them
@@ -156,8 +159,9 @@ void rope_store_rows(const In* qkv, const float* cos, const float* sin, const in
 }  // namespace
 
 // qkv: [T, (nh + 2 nkv) * hd] float32 or bfloat16, the fused QKV product; cos, sin: [T, hd/2]
-// float32; slots: [T] int64. Applies RoPE to q and k, writes k and v into the caches ([slots, nkv,
-// hd], float32, bfloat16 or float16) at `slots`, and returns q, k, v as one float32 tensor [T, nh + 2 nkv, hd].
+// float32; slots: [T] int64. Applies RoPE to q and k, writes k and v into the caches ([blocks, nkv,
+// block_size, hd], float32, bfloat16 or float16) at `slots` (block * block_size + offset), and returns
+// q, k, v as one float32 tensor [T, nh + 2 nkv, hd].
 // `stream` (a decode step): float16 rows go to the cache with non-temporal stores (store_row).
 torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
                          torch::Tensor k_cache, torch::Tensor v_cache, int64_t nh, int64_t nkv, bool stream) {
@@ -168,15 +172,15 @@ torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
   TORCH_CHECK(hd % 2 == 0, "rope_store: head_dim must be even");
   const auto cdt = k_cache.scalar_type();
   TORCH_CHECK((cdt == torch::kFloat32 || cdt == torch::kBFloat16 || cdt == torch::kHalf) && v_cache.scalar_type() == cdt &&
-                  k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3 && k_cache.size(1) == nkv &&
-                  k_cache.size(2) == hd && v_cache.sizes() == k_cache.sizes(),
-              "rope_store: caches must be contiguous [slots, nkv, hd], both float32, bfloat16 or float16");
+                  k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 && k_cache.size(1) == nkv &&
+                  k_cache.size(3) == hd && v_cache.sizes() == k_cache.sizes(),
+              "rope_store: caches must be contiguous [blocks, nkv, block_size, hd], both float32, bfloat16 or float16");
   cos = cos.contiguous().to(torch::kFloat32);
   sin = sin.contiguous().to(torch::kFloat32);
   slots = slots.contiguous();
   TORCH_CHECK(cos.numel() == T * hd / 2 && sin.numel() == T * hd / 2, "rope_store: cos/sin must be [T, hd/2]");
   TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.numel() == T, "rope_store: slots must be int64 [T]");
-  const int64_t nslots = k_cache.size(0);
+  const int64_t bs = k_cache.size(2), nslots = k_cache.size(0) * bs;
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < nslots, "rope_store: slot out of range");
   auto out = torch::empty({T, nh + 2 * nkv, hd}, qkv.options().dtype(torch::kFloat32));
@@ -186,13 +190,13 @@ torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
   auto with_cache = [&](const auto* in) {
     if (cdt == torch::kBFloat16)
       rope_store_rows(in, c, s, sp, static_cast<uint16_t*>(k_cache.data_ptr()),
-                      static_cast<uint16_t*>(v_cache.data_ptr()), o, T, nh, nkv, hd, stream);
+                      static_cast<uint16_t*>(v_cache.data_ptr()), o, T, nh, nkv, hd, bs, stream);
     else if (cdt == torch::kHalf)
       rope_store_rows(in, c, s, sp, static_cast<fp16_t*>(k_cache.data_ptr()), static_cast<fp16_t*>(v_cache.data_ptr()),
-                      o, T, nh, nkv, hd, stream);
+                      o, T, nh, nkv, hd, bs, stream);
     else
       rope_store_rows(in, c, s, sp, static_cast<float*>(k_cache.data_ptr()), static_cast<float*>(v_cache.data_ptr()),
-                      o, T, nh, nkv, hd, stream);
+                      o, T, nh, nkv, hd, bs, stream);
   };
   if (qkv.scalar_type() == torch::kBFloat16)
     with_cache(static_cast<const uint16_t*>(qkv.data_ptr()));

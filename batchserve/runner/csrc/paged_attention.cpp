@@ -102,27 +102,26 @@ template <typename T>
 void decode_portable(const float* qp, const T* kp, const T* vp, const int64_t* bt, const int64_t* lens,
                      float* op, int64_t B, int64_t nh, int64_t hd, int64_t nkv, int64_t maxb, int64_t block_size,
                      float sc) {
-  const int64_t g = nh / nkv, row = nkv * hd;
-  // A cached token's K (then V) row of every kv head is one contiguous run of memory, read
-  // once, in block order. Splitting the work by head instead made each row come from DRAM
-  // several times.
+  const int64_t g = nh / nkv, blk = nkv * block_size * hd;  // elements per block
+  // Each block's K (then V), all kv heads, read once in block order.
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<float> acc(nh * hd);
-    std::vector<float> rowbuf(std::is_same<T, float>::value ? 0 : row);
+    std::vector<float> rowbuf(std::is_same<T, float>::value ? 0 : nkv * hd);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n = lens[b];
       const float* qb = qp + b * nh * hd;  // [nh, hd]; heads h*g .. h*g+g-1 share kv head h
       const int64_t* table = bt + b * maxb;
       scores.resize(nh * n);
       for (int64_t t0 = 0; t0 < n; t0 += block_size) {
-        const T* kb = kp + table[t0 / block_size] * block_size * row;
+        const T* kb = kp + table[t0 / block_size] * blk;
         const int64_t len = std::min(block_size, n - t0);
-        for (int64_t o = 0; o < len; ++o) {
-          const float* kr = row_f32(kb + o * row, rowbuf.data(), row);
-          for (int64_t qh = 0; qh < nh; ++qh)
-            scores[qh * n + t0 + o] = dot(qb + qh * hd, kr + (qh / g) * hd, hd) * sc;
-        }
+        for (int64_t h = 0; h < nkv; ++h)
+          for (int64_t o = 0; o < len; ++o) {
+            const float* kr = row_f32(kb + (h * block_size + o) * hd, rowbuf.data(), hd);
+            for (int64_t qh = h * g; qh < (h + 1) * g; ++qh)
+              scores[qh * n + t0 + o] = dot(qb + qh * hd, kr, hd) * sc;
+          }
       }
       for (int64_t qh = 0; qh < nh; ++qh) {
         float* s = scores.data() + qh * n;
@@ -139,13 +138,14 @@ void decode_portable(const float* qp, const T* kp, const T* vp, const int64_t* b
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t0 = 0; t0 < n; t0 += block_size) {
-        const T* vb = vp + table[t0 / block_size] * block_size * row;
+        const T* vb = vp + table[t0 / block_size] * blk;
         const int64_t len = std::min(block_size, n - t0);
-        for (int64_t o = 0; o < len; ++o) {
-          const float* vr = row_f32(vb + o * row, rowbuf.data(), row);
-          for (int64_t qh = 0; qh < nh; ++qh)
-            axpy(acc.data() + qh * hd, scores[qh * n + t0 + o], vr + (qh / g) * hd, hd);
-        }
+        for (int64_t h = 0; h < nkv; ++h)
+          for (int64_t o = 0; o < len; ++o) {
+            const float* vr = row_f32(vb + (h * block_size + o) * hd, rowbuf.data(), hd);
+            for (int64_t qh = h * g; qh < (h + 1) * g; ++qh)
+              axpy(acc.data() + qh * hd, scores[qh * n + t0 + o], vr, hd);
+          }
       }
       std::copy(acc.begin(), acc.end(), op + b * nh * hd);
     }
@@ -155,12 +155,11 @@ void decode_portable(const float* qp, const T* kp, const T* vp, const int64_t* b
 #if defined(__AVX512F__)
 
 constexpr int kTile = 16;  // tokens scored together: their 16 scores fill one zmm
-// K/V rows are prefetched this many tokens ahead of the tile being computed, whole rows in
-// address order, in one burst per kv head of the tile. Measured on Zen 5 with the model's shapes:
-// 8 to 32 tokens ahead all do about the same, a burst per kv head beats both one burst per tile
-// and an even trickle of head-sized pieces, and T0 beats T1 by a few percent.
-// With a bf16 cache the same distance is half the bytes; 8, 16, 32 and 48 tokens measured the
-// same there too (the time is not spent waiting on the prefetches), so both use 16.
+// K/V rows are prefetched this many tokens ahead of the tile being computed: while kv head h of
+// a tile is computed, kv head h's rows of the tile 16 tokens on. Measured on Zen 5 with the
+// model's shapes when a block held the rows of all kv heads side by side: 8 to 32 tokens ahead
+// all did about the same, a burst per kv head beat both one burst per tile and an even trickle,
+// and T0 beat T1 by a few percent; with the head-major blocks, 16 and 32 tokens measured the same.
 constexpr int64_t kPrefetchAhead = 16;
 
 // Vector d (of NV) of one head's HD = 16 * NV elements as 16 fp32 lanes. float: elements
@@ -229,13 +228,13 @@ struct State {
   }
 };
 
-// One tile for G query heads that share kv head h (their q, running max m, sum l and acc at
-// qs, m, l, acc, in head order). The G heads are done together so that each K and V row is loaded
+// One tile for G query heads that share a kv head (their q, running max m, sum l and acc at
+// qs, m, l, acc, in head order); token t's row of that kv head is at krow[t] + hoff (vrow for V). The G heads are done together so that each K and V row is loaded
 // once for all of them and the V accumulation has G * NV
 // independent FMA chains: with one head at a time (NV chains of 16 dependent FMAs) the kernel
 // was bound by FMA latency, not by memory.
 template <typename T, int NV, int G>
-inline void tile_heads(const float* qs, const T* const* krow, const T* const* vrow, int64_t h,
+inline void tile_heads(const float* qs, const T* const* krow, const T* const* vrow, int64_t hoff,
                        __mmask16 valid, int nvalid, float* m, float* l, float* acc) {
   constexpr int HD = NV * 16;
   // Below 8 chains, even and odd tokens go to separate accumulators (added at the end).
@@ -247,7 +246,7 @@ inline void tile_heads(const float* qs, const T* const* krow, const T* const* vr
   // instead widened every K element G times: 7-12 % slower with the data in cache.
   alignas(64) __m512 parts[G][kTile];
   for (int t = 0; t < kTile; ++t) {
-    const T* kr = krow[t] + h * HD;
+    const T* kr = krow[t] + hoff;
     __m512 kv[NV];
     for (int d = 0; d < NV; ++d) kv[d] = load_vec<NV>(kr, d);
     for (int j = 0; j < G; ++j) {
@@ -278,14 +277,14 @@ inline void tile_heads(const float* qs, const T* const* krow, const T* const* vr
   int t = 0;
   for (; t + S <= nvalid; t += S)
     for (int e = 0; e < S; ++e) {
-      const T* vr = vrow[t + e] + h * HD;
+      const T* vr = vrow[t + e] + hoff;
       for (int d = 0; d < NV; ++d) {
         const __m512 vv = load_vec<NV>(vr, d);
         for (int j = 0; j < G; ++j) a[e][j][d] = _mm512_fmadd_ps(_mm512_set1_ps(pbuf[j][t + e]), vv, a[e][j][d]);
       }
     }
   for (; t < nvalid; ++t) {
-    const T* vr = vrow[t] + h * HD;
+    const T* vr = vrow[t] + hoff;
     for (int d = 0; d < NV; ++d) {
       const __m512 vv = load_vec<NV>(vr, d);
       for (int j = 0; j < G; ++j) a[0][j][d] = _mm512_fmadd_ps(_mm512_set1_ps(pbuf[j][t]), vv, a[0][j][d]);
@@ -301,55 +300,71 @@ inline void tile_heads(const float* qs, const T* const* krow, const T* const* vr
 
 // Attends positions [p0, p1) of one sequence. qs: [nh, hd], already multiplied by the scale.
 // Tile by tile (16 tokens); inside a tile, kv head by kv head, its query heads in groups of up
-// to 4 (tile_heads). Without the prefetch the loads of a new block wait on DRAM with nothing
-// else to do; with it they overlap with the arithmetic of the tiles before.
+// to 4 (tile_heads). A block holds each kv head's rows together ([nkv][bs][HD]), so one kv head of
+// a tile is one contiguous run (2 KB for float16 at 16 tokens): with rows of all heads side by
+// side instead, each head read every third pair of lines and decode attention ran at 26-28 GB/s
+// from DRAM against 37-40 with this layout (1.35-1.4x, Zen 5, the model's shapes). Without the
+// prefetch the loads of a new block wait on DRAM with nothing else to do; with it they overlap
+// with the arithmetic of the tiles before.
 template <typename T, int NV>
 void attend(const float* qs, const T* kc, const T* vc, const int64_t* table, int64_t bs, int64_t nkv,
             int64_t g, int64_t p0, int64_t p1, State& st) {
   constexpr int HD = NV * 16;
-  const int64_t row = nkv * HD;
-  const T* krow[kTile];
+  const int64_t hstride = bs * HD, bstride = nkv * hstride;  // elements per kv head, per block
+  constexpr int64_t kHeadBytes = HD * static_cast<int64_t>(sizeof(T));
+  const T* krow[kTile];  // token t's row of kv head 0 (kv head h: + h * hstride)
   const T* vrow[kTile];
+  const T* next[kTile];  // the same for the tile kPrefetchAhead tokens on (offsets into both caches)
+  int nnext = 0;
   int64_t blk = p0 / bs, off = p0 % bs;  // walks the block table without a division per token
-  int64_t pf = p0, pfblk = blk, pfoff = off;  // the prefetch walker, kPrefetchAhead tokens ahead
-  const int64_t row_bytes = row * static_cast<int64_t>(sizeof(T));
-  auto prefetch_to = [&](int64_t limit) {
-    for (limit = std::min(limit, p1); pf < limit; ++pf) {
-      const int64_t slot = table[pfblk] * bs + pfoff;
-      const char* kr = reinterpret_cast<const char*>(kc + slot * row);
-      const char* vr = reinterpret_cast<const char*>(vc + slot * row);
-      for (int64_t o = 0; o < row_bytes; o += 64) {  // one per cache line
+  int64_t pf = p0, pfblk = blk, pfoff = off;  // the prefetch walker
+  auto rows_from = [&](int64_t limit, const T** out) {  // the prefetch walker's rows up to limit
+    int n = 0;
+    for (limit = std::min(limit, p1); pf < limit; ++pf, ++n) {
+      out[n] = kc + table[pfblk] * bstride + pfoff * HD;
+      if (++pfoff == bs) pfoff = 0, ++pfblk;
+    }
+    return n;
+  };
+  auto prefetch_head = [&](const T* const* rows, int n, int64_t h) {
+    for (int t = 0; t < n; ++t) {
+      const char* kr = reinterpret_cast<const char*>(rows[t] + h * hstride);
+      const char* vr = reinterpret_cast<const char*>(vc + (rows[t] - kc) + h * hstride);
+      for (int64_t o = 0; o < kHeadBytes; o += 64) {  // one per cache line
         _mm_prefetch(kr + o, _MM_HINT_T0);
         _mm_prefetch(vr + o, _MM_HINT_T0);
       }
-      if (++pfoff == bs) pfoff = 0, ++pfblk;
     }
   };
+  {  // the item's first tokens, before the first tile needs them
+    const T* first[kPrefetchAhead];
+    const int n = rows_from(p0 + kPrefetchAhead, first);
+    for (int64_t h = 0; h < nkv; ++h) prefetch_head(first, n, h);
+  }
   for (int64_t p = p0; p < p1; p += kTile) {
     const int nvalid = static_cast<int>(std::min<int64_t>(kTile, p1 - p));
     const __mmask16 valid = static_cast<__mmask16>((1u << nvalid) - 1u);
     for (int t = 0; t < nvalid; ++t) {
-      const int64_t slot = table[blk] * bs + off;
-      krow[t] = kc + slot * row;
-      vrow[t] = vc + slot * row;
+      krow[t] = kc + table[blk] * bstride + off * HD;
+      vrow[t] = vc + (krow[t] - kc);
       if (++off == bs) off = 0, ++blk;
     }
     for (int t = nvalid; t < kTile; ++t) krow[t] = krow[0], vrow[t] = vrow[0];  // scored, then masked
+    nnext = rows_from(p + kPrefetchAhead + kTile, next);
     for (int64_t h = 0; h < nkv; ++h) {
-      // kv head h of this tile prefetches its share (1/nkv) of the next tile's tokens; the
-      // first call also covers this tile, the start of the item.
-      prefetch_to(p + kPrefetchAhead + ((h + 1) * kTile + nkv - 1) / nkv);
+      prefetch_head(next, nnext, h);  // kv head h of the tile kPrefetchAhead tokens on
       for (int64_t j = 0; j < g; j += 4) {
         const int64_t qh = h * g + j;
         const float* q = qs + qh * HD;
         float* m = st.m.data() + qh;
         float* l = st.l.data() + qh * kTile;
         float* acc = st.acc.data() + qh * HD;
+        const int64_t hoff = h * hstride;
         switch (std::min<int64_t>(4, g - j)) {
-          case 1: tile_heads<T, NV, 1>(q, krow, vrow, h, valid, nvalid, m, l, acc); break;
-          case 2: tile_heads<T, NV, 2>(q, krow, vrow, h, valid, nvalid, m, l, acc); break;
-          case 3: tile_heads<T, NV, 3>(q, krow, vrow, h, valid, nvalid, m, l, acc); break;
-          default: tile_heads<T, NV, 4>(q, krow, vrow, h, valid, nvalid, m, l, acc); break;
+          case 1: tile_heads<T, NV, 1>(q, krow, vrow, hoff, valid, nvalid, m, l, acc); break;
+          case 2: tile_heads<T, NV, 2>(q, krow, vrow, hoff, valid, nvalid, m, l, acc); break;
+          case 3: tile_heads<T, NV, 3>(q, krow, vrow, hoff, valid, nvalid, m, l, acc); break;
+          default: tile_heads<T, NV, 4>(q, krow, vrow, hoff, valid, nvalid, m, l, acc); break;
         }
       }
     }
@@ -528,9 +543,9 @@ void prefill_item(const float* q, int64_t q_tok_stride, const T* kc, const T* vc
     const int64_t nk = std::min<int64_t>(kTile, last + 1 - base);
     for (int64_t j = 0; j < nk; ++j) {
       const int64_t pos = base + j;
-      const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-      row_to_float(kc + (slot * nkv + kvh) * HD, b.kf.data() + j * HD, HD);
-      row_to_float(vc + (slot * nkv + kvh) * HD, b.vf.data() + j * HD, HD);
+      const int64_t at = ((table[pos / block_size] * nkv + kvh) * block_size + pos % block_size) * HD;
+      row_to_float(kc + at, b.kf.data() + j * HD, HD);
+      row_to_float(vc + at, b.vf.data() + j * HD, HD);
     }
     // Key j is visible to query i when base + j <= pos0 + i: lanes i >= base + j - pos0.
     __mmask16 vis[kTile];
@@ -642,7 +657,8 @@ void prefill_avx512(const float* q, int64_t q_tok_stride, const T* kc, const T* 
 
 }  // namespace
 
-// q: [B, n_h, hd]; k_cache, v_cache: [slots, n_kv, hd]; block_tables: [B, max_blocks] int64;
+// q: [B, n_h, hd]; k_cache, v_cache: [blocks, n_kv, block_size, hd] (slot s = block * block_size +
+// offset; kv head h's rows of a block together); block_tables: [B, max_blocks] int64;
 // ctx_lens: [B] int64 (tokens to attend, including the current one). Returns [B, n_h, hd].
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor ctx_lens, int64_t block_size,
@@ -658,6 +674,9 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   block_tables = block_tables.contiguous();
   ctx_lens = ctx_lens.contiguous();
   const int64_t B = q.size(0), nh = q.size(1), hd = q.size(2), nkv = k_cache.size(1);
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(2) == block_size && k_cache.size(3) == hd &&
+                  v_cache.sizes() == k_cache.sizes(),
+              "paged_decode: caches must be [blocks, n_kv, block_size, head_dim], got ", k_cache.sizes());
   TORCH_CHECK(nkv > 0 && nh % nkv == 0, "paged_decode: query heads not a multiple of kv heads");
   const int64_t maxb = block_tables.size(1);
   auto out = torch::empty_like(q);
@@ -714,6 +733,9 @@ void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
               "paged_prefill: q and out need contiguous heads");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "paged_prefill: k_cache and v_cache must be contiguous and of one dtype");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(2) == block_size && k_cache.size(3) == hd &&
+                  v_cache.sizes() == k_cache.sizes(),
+              "paged_prefill: caches must be [blocks, n_kv, block_size, head_dim], got ", k_cache.sizes());
   TORCH_CHECK(nkv > 0 && nh % nkv == 0, "paged_prefill: query heads not a multiple of kv heads");
   block_tables = block_tables.contiguous();
   spans = spans.contiguous();
