@@ -62,7 +62,7 @@ def test_integer_gemm_is_the_same_on_every_code_path_and_exact_for_the_quantized
         k = _k(kind, k)
         raw, dense = _blocks(n, k, kind, seed=n)
         wq = ext.pack_int(raw, FORMATS[kind], bits)
-        for m in (1, 5, 6, 7, 13, 37, 600, 0):
+        for m in (1, 5, 6, 7, 12, 13, 24, 37, 48, 49, 600, 0):  # tiles of 1-12 rows, 512-row passes
             if m == 600 and n == 960:
                 continue
             x = torch.randn(m, k, generator=g)
@@ -162,7 +162,7 @@ def test_gated_product_is_silu_mul_then_the_product_bit_for_bit(bits):
     wq = ext.pack_int(raw, 0, bits)
     paths = [p for p in ISAS.values() if p == 0 or ext.has_vnni()]
     g = torch.Generator().manual_seed(11)
-    for m in (1, 6, 13, 600):
+    for m in (1, 6, 13, 24, 600):
         gu = torch.randn(m, 192, generator=g) * 4
         gu[0, :3] = torch.tensor([100.0, -100.0, -1e4])  # saturating sigmoid on both sides
         want = {p: ext.gemm_int(fused.silu_mul(gu), wq, 70, 0, bits, p) for p in paths}
