@@ -500,7 +500,9 @@ constexpr int64_t kQTile = 16;
 
 struct PrefillBufs {
   std::vector<float> qt, o, m, l, p, alpha, kf, vf;
+  std::vector<__m512> s;  // one tile's scores, [G][16 keys] vectors of 16 queries
   void init(int64_t G, int64_t hd) {
+    s.resize(G * kTile);
     qt.resize(G * hd * kQTile);
     o.resize(G * kQTile * hd);
     m.resize(G * kQTile);
@@ -521,6 +523,49 @@ inline void row_to_float(const bf16_t* src, float* dst, int64_t n) {
 inline void row_to_float(const fp16_t* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; i += 16)
     _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+}
+
+// s[g * 16 + j] = the 16 queries' scores (lanes) for key j, query head g of the item. Three
+// heads at a time and 8 keys at a time, so each broadcast K element feeds three FMAs (one per
+// head) and each q vector eight: with one head and 16 keys per pass, every FMA needed a
+// broadcast load of its own.
+template <int HD>
+inline void qk_scores(const float* qt, const float* kf, int64_t G, __m512* s) {
+  int64_t g0 = 0;
+  for (; g0 + 3 <= G; g0 += 3)
+    for (int j0 = 0; j0 < kTile; j0 += 8) {
+      __m512 a[3][8];
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) a[0][j] = a[1][j] = a[2][j] = _mm512_setzero_ps();
+      const float* q0 = qt + g0 * HD * kQTile;
+      for (int d = 0; d < HD; ++d) {
+        const __m512 qa = _mm512_loadu_ps(q0 + d * kQTile), qb = _mm512_loadu_ps(q0 + (HD + d) * kQTile),
+                     qc = _mm512_loadu_ps(q0 + (2 * HD + d) * kQTile);
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) {
+          const __m512 k = _mm512_set1_ps(kf[(j0 + j) * HD + d]);
+          a[0][j] = _mm512_fmadd_ps(qa, k, a[0][j]);
+          a[1][j] = _mm512_fmadd_ps(qb, k, a[1][j]);
+          a[2][j] = _mm512_fmadd_ps(qc, k, a[2][j]);
+        }
+      }
+      for (int e = 0; e < 3; ++e)
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) s[(g0 + e) * kTile + j0 + j] = a[e][j];
+    }
+  for (; g0 < G; ++g0) {  // heads left over (G not a multiple of 3): one at a time, 16 keys
+    __m512 a[kTile];
+#pragma GCC unroll 16
+    for (int j = 0; j < kTile; ++j) a[j] = _mm512_setzero_ps();
+    const float* qg = qt + g0 * HD * kQTile;
+    for (int d = 0; d < HD; ++d) {
+      const __m512 qv = _mm512_loadu_ps(qg + d * kQTile);
+#pragma GCC unroll 16
+      for (int j = 0; j < kTile; ++j) a[j] = _mm512_fmadd_ps(qv, _mm512_set1_ps(kf[j * HD + d]), a[j]);
+    }
+#pragma GCC unroll 16
+    for (int j = 0; j < kTile; ++j) s[g0 * kTile + j] = a[j];
+  }
 }
 
 template <typename T, int HD>
@@ -553,16 +598,9 @@ void prefill_item(const float* q, int64_t q_tok_stride, const T* kc, const T* vc
       const int64_t first = base + j - pos0;
       vis[j] = j >= nk ? 0 : first <= 0 ? 0xFFFF : first >= kQTile ? 0 : static_cast<__mmask16>(0xFFFFu << first);
     }
+    qk_scores<HD>(b.qt.data(), b.kf.data(), G, b.s.data());
     for (int64_t g = 0; g < G; ++g) {
-      __m512 s[kTile];
-#pragma GCC unroll 16
-      for (int j = 0; j < kTile; ++j) s[j] = _mm512_setzero_ps();
-      const float* qg = b.qt.data() + g * HD * kQTile;
-      for (int d = 0; d < HD; ++d) {
-        const __m512 qv = _mm512_loadu_ps(qg + d * kQTile);
-#pragma GCC unroll 16
-        for (int j = 0; j < kTile; ++j) s[j] = _mm512_fmadd_ps(qv, _mm512_set1_ps(b.kf[j * HD + d]), s[j]);
-      }
+      const __m512* s = b.s.data() + g * kTile;
       __m512 mx = _mm512_loadu_ps(b.m.data() + g * kQTile);
       const __m512 mold = mx;
 #pragma GCC unroll 16
