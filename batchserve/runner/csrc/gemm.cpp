@@ -631,9 +631,10 @@ constexpr int64_t IQ8_BYTES = NB * 4 + QB * NB;          // 1152
 constexpr int MRI = 6;                                    // rows per tile (12 int32 + 12 fp32 sums)
 // Up to MRI_SMALL rows per tile when x has at most MRI_SMALL_UPTO rows (decode batches): the tile's
 // fp32 sums then no longer fit in registers and the compiler keeps some on the stack, but each
-// panel block's quants are widened for more rows and x needs fewer tiles. Same process, the
-// model's 121 products: 8 rows 1.13x faster, 13 and 20 rows 1.06x, 32 1.04x, 64 and 128 the same;
-// at 512 rows 1.08x and at 2,048 1.13x slower, hence 6 rows there.
+// panel block's quants are widened for more rows and x needs fewer tiles. The model's 121
+// products, 6 and 12 alternating call by call in one process: 8 rows 1.035x, 13 rows 1.06x, 20
+// and 32 rows 1.025x, 4 and 48 rows the same; at 512 rows 1.08x and at 2,048 1.13x slower (runs
+// alternating by size), hence 6 rows there.
 constexpr int MRI_SMALL = 12;
 constexpr int64_t MRI_SMALL_UPTO = 48;
 
