@@ -62,7 +62,7 @@ def test_integer_gemm_is_the_same_on_every_code_path_and_exact_for_the_quantized
         k = _k(kind, k)
         raw, dense = _blocks(n, k, kind, seed=n)
         wq = ext.pack_int(raw, FORMATS[kind], bits)
-        for m in (1, 5, 6, 7, 12, 13, 24, 37, 48, 49, 600, 0):  # tiles of 1-12 rows, 512-row passes
+        for m in (1, 5, 6, 7, 12, 13, 24, 25, 37, 48, 49, 600, 0):  # tiles of 1-12 rows, 512-row passes
             if m == 600 and n == 960:
                 continue
             x = torch.randn(m, k, generator=g)

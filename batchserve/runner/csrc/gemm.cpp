@@ -629,14 +629,16 @@ enum IFmt : int64_t { kIQ4 = 0, kIQ8 = 1 };
 constexpr int64_t IQ4_BYTES = 2 * NB * 4 + QB * NB / 2;  // 768 per panel block
 constexpr int64_t IQ8_BYTES = NB * 4 + QB * NB;          // 1152
 constexpr int MRI = 6;                                    // rows per tile (12 int32 + 12 fp32 sums)
-// Up to MRI_SMALL rows per tile when x has at most MRI_SMALL_UPTO rows (decode batches): the tile's
-// fp32 sums then no longer fit in registers and the compiler keeps some on the stack, but each
-// panel block's quants are widened for more rows and x needs fewer tiles. The model's 121
-// products, 6 and 12 alternating call by call in one process: 8 rows 1.035x, 13 rows 1.06x, 20
-// and 32 rows 1.025x, 4 and 48 rows the same; at 512 rows 1.08x and at 2,048 1.13x slower (runs
-// alternating by size), hence 6 rows there.
+// Up to MRI_SMALL rows per tile when x has at most mri_small_upto<BITS>() rows (decode batches):
+// the tile's fp32 sums then no longer fit in registers and the compiler keeps some on the stack,
+// but each panel block's quants are widened for more rows and x needs fewer tiles. The model's
+// 121 products, 6 and 12 alternating call by call in one process: int16 8 rows 1.035x, 13 rows
+// 1.06x, 20 and 32 rows 1.025x, 4 and 48 rows the same (512 rows 1.08x and 2,048 1.13x slower, in
+// runs alternating by size); int8 8 rows 1.10x, 13 1.06x, 20 1.03x, 24 1.01x, 28 0.98x, 32 0.98x,
+// 48 0.96x.
 constexpr int MRI_SMALL = 12;
-constexpr int64_t MRI_SMALL_UPTO = 48;
+template <int BITS>
+constexpr int64_t mri_small_upto() { return BITS == 8 ? 24 : 48; }
 
 constexpr int64_t int_block_bytes(int64_t f) { return f == kIQ4 ? IQ4_BYTES : IQ8_BYTES; }
 constexpr int64_t int_offset(int64_t f) { return (f == kIQ4 ? 2 : 1) * NB * 4; }
@@ -918,7 +920,7 @@ void run_int(const torch::Tensor& x, bool gated, const uint8_t* w, int64_t n, IF
   // plain pointers for the worker threads (inside them the thread_local names are their own copies)
   act_t<BITS>* xqp = xq.data();
   float *dap = da.data(), *sap = sa.data();
-  const int64_t mr_max = !vec ? 4 : M <= MRI_SMALL_UPTO ? MRI_SMALL : MRI;
+  const int64_t mr_max = !vec ? 4 : M <= mri_small_upto<BITS>() ? MRI_SMALL : MRI;
   thread_local std::vector<int64_t> g0, gn;  // each row's group (first row, rows), as the tiles take them
   g0.resize(M), gn.resize(M);
   for (int64_t m_lo = 0; m_lo < M; m_lo += MCHUNK)

@@ -302,8 +302,12 @@ inline void tile_heads(const float* qs, const T* const* krow, const T* const* vr
 // Tile by tile (16 tokens); inside a tile, kv head by kv head, its query heads in groups of up
 // to 4 (tile_heads). A block holds each kv head's rows together ([nkv][bs][HD]), so one kv head of
 // a tile is one contiguous run (2 KB for float16 at 16 tokens): with rows of all heads side by
-// side instead, each head read every third pair of lines and decode attention ran at 26-28 GB/s
-// from DRAM against 37-40 with this layout (1.35-1.4x, Zen 5, the model's shapes). Without the
+// side instead, each head read every third pair of lines, and over a request's contiguous blocks
+// decode attention ran at 24-32 GB/s from DRAM against 33-45 with this layout (Zen 5, the model's
+// shapes). Over blocks scattered one by one this layout is ~1.5x slower (15 against 23-25 GB/s):
+// a block is then read as three 2 KB pieces at different moments, and neither a whole-block
+// prefetch nor one 16-32 tokens further ahead won that back. The KV manager keeps a request's
+// blocks in one run. Without the
 // prefetch the loads of a new block wait on DRAM with nothing else to do; with it they overlap
 // with the arithmetic of the tiles before.
 template <typename T, int NV>
