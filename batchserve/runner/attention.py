@@ -5,9 +5,10 @@ position p of a request lives in slot block_table[p // block_size] * block_size 
 that is at offset p % block_size of its block, and each kv head's rows of a block are contiguous
 (so one kv head of 16 tokens is one run of memory for the C++ decode kernel: over a request's
 contiguous blocks 1.2-1.5x faster from DRAM than a layout with all kv heads of a token side by
-side, ~1.5x slower over blocks scattered one by one, which the KV manager's placement avoids). `gather_slots` / `scatter_slots`
-read and write by slot. The metadata is built once per step (`AttnMeta.build`) and shared by
-every layer.
+side, ~1.5x slower over blocks scattered one by one, which the KV manager's placement avoids).
+The PyTorch path reads and writes through `slot_rows`: a slot's rows in the cache viewed as
+[num_blocks * n_kv * block_size, head_dim]. The metadata is built once per step
+(`AttnMeta.build`) and shared by every layer.
 """
 from __future__ import annotations
 
@@ -24,21 +25,21 @@ def slot_rows(slots: torch.Tensor, n_kv: int, block_size: int) -> torch.Tensor:
     return first[:, None] + torch.arange(0, n_kv * block_size, block_size, device=slots.device)
 
 
-def gather_slots(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """The cache's K or V at `slots` ([S]), as [S, n_kv, head_dim] (`rows`: slot_rows of them, if at hand)."""
-    _, n_kv, bs, hd = cache.shape
-    if rows is None:
-        rows = slot_rows(slots, n_kv, bs)
-    return cache.view(-1, hd).index_select(0, rows.reshape(-1)).view(-1, n_kv, hd)
+def gather_rows(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The cache's K or V at `rows` ([S, n_kv], from slot_rows) as [S, n_kv, head_dim]."""
+    hd = cache.shape[-1]
+    return cache.view(-1, hd).index_select(0, rows.reshape(-1)).view(*rows.shape, hd)
 
 
-def scatter_slots(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,
-                  rows: torch.Tensor | None = None) -> None:
-    """Writes x [S, n_kv, head_dim] into the cache at `slots` ([S])."""
-    _, n_kv, bs, hd = cache.shape
-    if rows is None:
-        rows = slot_rows(slots, n_kv, bs)
+def scatter_rows(cache: torch.Tensor, rows: torch.Tensor, x: torch.Tensor) -> None:
+    """Writes x [S, n_kv, head_dim] into the cache at `rows` ([S, n_kv], from slot_rows)."""
+    hd = cache.shape[-1]
     cache.view(-1, hd).index_copy_(0, rows.reshape(-1), x.reshape(-1, hd).to(cache.dtype))
+
+
+def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The cache's K or V at `slots` ([S]) as [S, n_kv, head_dim]."""
+    return gather_rows(cache, slot_rows(slots, cache.shape[1], cache.shape[2]))
 
 
 @dataclass
@@ -52,16 +53,16 @@ class PrefillSpan:
     device: torch.device
     _context: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
-    def context(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """For the PyTorch path after cached history (ctx_start > 0): the slots to read
-        [ctx_start + n] and the mask [n, ctx_start + n] (True = may attend). Built on demand:
-        the C++ kernel needs neither, and the mask grows with chunk x context. Kept for the
-        step's other layers."""
+    def context(self, n_kv: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """For the PyTorch path after cached history (ctx_start > 0): the cache rows to read
+        ([ctx_start + n, n_kv], slot_rows) and the mask [n, ctx_start + n] (True = may attend).
+        Built on demand: the C++ kernel needs neither, and the mask grows with chunk x context.
+        Kept for the step's other layers."""
         if self._context is None:
             n = self.end - self.start
-            ctx_slots = self.slots[:self.ctx_start + n].to(self.device)
+            ctx_rows = slot_rows(self.slots[:self.ctx_start + n].to(self.device), n_kv, block_size)
             q_pos = torch.arange(self.ctx_start, self.ctx_start + n, device=self.device)[:, None]
-            self._context = ctx_slots, torch.arange(self.ctx_start + n, device=self.device)[None, :] <= q_pos
+            self._context = ctx_rows, torch.arange(self.ctx_start + n, device=self.device)[None, :] <= q_pos
         return self._context
 
 
@@ -73,8 +74,7 @@ class AttnMeta:
     dec_slots_flat: torch.Tensor | None  # the same, flattened [Bd * Tmax]
     dec_mask: torch.Tensor | None  # [Bd, 1, 1, Tmax] bool
     prefills: list[PrefillSpan]
-    dec_contiguous: bool
-    rows: dict = field(default_factory=dict)  # slot_rows of slot_mapping / dec_slots_flat per n_kv, built on first use  # decode rows are one contiguous range [dec_lo, dec_hi)
+    dec_contiguous: bool  # decode rows are one contiguous range [dec_lo, dec_hi)
     dec_lo: int = 0
     dec_hi: int = 0
     decode_only: bool = False  # every token is a decode and the C++ kernel runs: its output is the answer
@@ -84,6 +84,9 @@ class AttnMeta:
     block_size: int = 16
     pf_tables: torch.Tensor | None = None  # [S, max_blocks] block tables of the prompt chunks, for the kernel
     pf_spans: torch.Tensor | None = None  # [S, 3] (first flat row, tokens, first position), for the kernel
+    # PyTorch path: slot_rows of slot_mapping ("new") and dec_slots_flat ("dec") per cache shape,
+    # built by the first layer that needs them
+    rows: dict = field(default_factory=dict)
 
     @staticmethod
     def build(seqs: list[tuple[int, int, list[int]]], block_size: int, device: torch.device,
@@ -162,8 +165,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     T, n_h, hd = q.shape
     if not stored:
         rows = _rows(meta, "new", meta.slot_mapping, k_cache)
-        scatter_slots(k_cache, meta.slot_mapping, to_cache_dtype(k, k_cache.dtype), rows)
-        scatter_slots(v_cache, meta.slot_mapping, to_cache_dtype(v, v_cache.dtype), rows)
+        scatter_rows(k_cache, rows, to_cache_dtype(k, k_cache.dtype))
+        scatter_rows(v_cache, rows, to_cache_dtype(v, v_cache.dtype))
     if meta.decode_only:  # a pure decode step: the kernel's output is the answer
         return meta.kernel.paged_decode(q, k_cache, v_cache, meta.dec_tables, meta.dec_lens,
                                         meta.block_size, hd ** -0.5)
@@ -184,10 +187,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if sp.ctx_start == 0:
             ks, vs = k[sp.start:sp.end], v[sp.start:sp.end]  # [n, n_kv, hd]
         else:
-            ctx_slots, mask = sp.context()
-            rows = slot_rows(ctx_slots, k_cache.shape[1], k_cache.shape[2])
-            ks = gather_slots(k_cache, ctx_slots, rows).to(q.dtype)  # [ctx, n_kv, hd]
-            vs = gather_slots(v_cache, ctx_slots, rows).to(q.dtype)
+            ctx_rows, mask = sp.context(k_cache.shape[1], k_cache.shape[2])
+            ks = gather_rows(k_cache, ctx_rows).to(q.dtype)  # [ctx, n_kv, hd]
+            vs = gather_rows(v_cache, ctx_rows).to(q.dtype)
         if g > 1:
             ks, vs = ks.repeat_interleave(g, dim=1), vs.repeat_interleave(g, dim=1)
         ks, vs = ks.transpose(0, 1)[None], vs.transpose(0, 1)[None]  # [1, n_h, ctx, hd]
@@ -219,7 +221,7 @@ def _decode_torch(qd: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     tmax = meta.dec_slots.shape[1]
     # index_select on a flat row list is several times faster than 2-D advanced indexing here
     rows = _rows(meta, "dec", meta.dec_slots_flat, k_cache)
-    kd = gather_slots(k_cache, meta.dec_slots_flat, rows).to(qd.dtype).view(bd, tmax, n_kv, hd).transpose(1, 2)
-    vd = gather_slots(v_cache, meta.dec_slots_flat, rows).to(qd.dtype).view(bd, tmax, n_kv, hd).transpose(1, 2)
+    kd = gather_rows(k_cache, rows).to(qd.dtype).view(bd, tmax, n_kv, hd).transpose(1, 2)
+    vd = gather_rows(v_cache, rows).to(qd.dtype).view(bd, tmax, n_kv, hd).transpose(1, 2)
     o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.dec_mask)  # [Bd, n_kv, g, hd]
     return o.reshape(bd, n_h, hd)

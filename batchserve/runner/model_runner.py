@@ -10,7 +10,7 @@ import torch
 
 from batchserve.config import CacheConfig, ModelConfig, kv_cache_dtype_name
 from batchserve.core.batch import ScheduledBatch, StepOutput
-from batchserve.runner.attention import AttnMeta, gather_slots, scatter_slots, slot_rows, to_cache_dtype
+from batchserve.runner.attention import AttnMeta, gather_rows, scatter_rows, slot_rows, to_cache_dtype
 from batchserve.runner.kernels import fused_ops_ext, paged_attention_ext
 from batchserve.runner.loader import LoadedModel
 from batchserve.runner.models.llama import LlamaModel, has_int_blocks
@@ -90,7 +90,7 @@ class ModelRunner:
         per_block = kv_bytes_per_block(self.cfg, self.block_size, self.kv_dtype)
         self.num_blocks = cache_cfg.num_blocks or max(1, int(cache_cfg.kv_cache_gb * 2**30) // per_block)
         slots = self.num_blocks * self.block_size
-        shape = (self.num_blocks, self.cfg.num_kv_heads, self.block_size, self.cfg.head_dim)  # attention.py
+        shape = (self.num_blocks, self.cfg.num_kv_heads, self.block_size, self.cfg.head_dim)  # layout: attention.py
         self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
                            torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
                           for _ in range(self.cfg.num_layers)]
@@ -143,8 +143,7 @@ class ModelRunner:
         slots = self._slots(block_table, n)
         with torch.inference_mode():
             rows = slot_rows(slots, self.cfg.num_kv_heads, self.block_size)
-            out = torch.stack([torch.stack((gather_slots(k, slots, rows), gather_slots(v, slots, rows)))
-                               for k, v in self.kv_caches])
+            out = torch.stack([torch.stack((gather_rows(k, rows), gather_rows(v, rows))) for k, v in self.kv_caches])
         return out.cpu()
 
     def import_kv(self, block_table: list[int], kv: torch.Tensor) -> None:
@@ -158,5 +157,5 @@ class ModelRunner:
         rows = slot_rows(slots, self.cfg.num_kv_heads, self.block_size)
         with torch.inference_mode():
             for layer, (k, v) in enumerate(self.kv_caches):
-                scatter_slots(k, slots, kv[layer, 0], rows)
-                scatter_slots(v, slots, kv[layer, 1], rows)
+                scatter_rows(k, rows, kv[layer, 0])
+                scatter_rows(v, rows, kv[layer, 1])

@@ -12,6 +12,13 @@
 
 namespace batchserve {
 
+// The paged KV cache's layout (runner/attention.py): one layer's K (or V) is [blocks, nkv,
+// block_size, hd], each kv head's rows of a block together. The index, in rows of hd elements, of
+// kv head h's row at offset `off` of block `block`; kv head h + 1's is block_size rows further.
+inline int64_t kv_row(int64_t block, int64_t off, int64_t h, int64_t nkv, int64_t block_size) {
+  return (block * nkv + h) * block_size + off;
+}
+
 // bf16 <-> fp32 on the raw 16 bits: a bf16 value is the top half of the fp32 with the same sign,
 // exponent and leading mantissa bits, so widening is exact; narrowing rounds to nearest even
 // (NaN payloads are not preserved: activations here are finite).

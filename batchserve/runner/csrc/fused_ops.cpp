@@ -143,11 +143,10 @@ void rope_store_rows(const In* qkv, const float* cos, const float* sin, const in
       const In* v = src + (nh + nkv) * hd;
       float* vo = dst + (nh + nkv) * hd;
       for (int64_t i = 0; i < row; ++i) vo[i] = load(v[i]);
-      // the cache is [blocks, nkv, bs, hd]: kv head h of slot blk * bs + off at (blk * nkv + h) * bs + off
-      const int64_t first = (slots[t] / bs * nkv * bs + slots[t] % bs) * hd;
-      for (int64_t h = 0; h < nkv; ++h) {
-        store_row(kc + first + h * bs * hd, dst + (nh + h) * hd, hd, stream);
-        store_row(vc + first + h * bs * hd, vo + h * hd, hd, stream);
+      for (int64_t h = 0; h < nkv; ++h) {  // slot = block * bs + offset
+        const int64_t at = batchserve::kv_row(slots[t] / bs, slots[t] % bs, h, nkv, bs) * hd;
+        store_row(kc + at, dst + (nh + h) * hd, hd, stream);
+        store_row(vc + at, vo + h * hd, hd, stream);
       }
     }
 #if defined(__AVX512F__)

@@ -102,23 +102,22 @@ template <typename T>
 void decode_portable(const float* qp, const T* kp, const T* vp, const int64_t* bt, const int64_t* lens,
                      float* op, int64_t B, int64_t nh, int64_t hd, int64_t nkv, int64_t maxb, int64_t block_size,
                      float sc) {
-  const int64_t g = nh / nkv, blk = nkv * block_size * hd;  // elements per block
+  const int64_t g = nh / nkv;
   // Each block's K (then V), all kv heads, read once in block order.
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<float> acc(nh * hd);
-    std::vector<float> rowbuf(std::is_same<T, float>::value ? 0 : nkv * hd);
+    std::vector<float> rowbuf(std::is_same<T, float>::value ? 0 : hd);  // one kv head's row, widened
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n = lens[b];
       const float* qb = qp + b * nh * hd;  // [nh, hd]; heads h*g .. h*g+g-1 share kv head h
       const int64_t* table = bt + b * maxb;
       scores.resize(nh * n);
       for (int64_t t0 = 0; t0 < n; t0 += block_size) {
-        const T* kb = kp + table[t0 / block_size] * blk;
-        const int64_t len = std::min(block_size, n - t0);
+        const int64_t block = table[t0 / block_size], len = std::min(block_size, n - t0);
         for (int64_t h = 0; h < nkv; ++h)
           for (int64_t o = 0; o < len; ++o) {
-            const float* kr = row_f32(kb + (h * block_size + o) * hd, rowbuf.data(), hd);
+            const float* kr = row_f32(kp + batchserve::kv_row(block, o, h, nkv, block_size) * hd, rowbuf.data(), hd);
             for (int64_t qh = h * g; qh < (h + 1) * g; ++qh)
               scores[qh * n + t0 + o] = dot(qb + qh * hd, kr, hd) * sc;
           }
@@ -138,11 +137,10 @@ void decode_portable(const float* qp, const T* kp, const T* vp, const int64_t* b
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t0 = 0; t0 < n; t0 += block_size) {
-        const T* vb = vp + table[t0 / block_size] * blk;
-        const int64_t len = std::min(block_size, n - t0);
+        const int64_t block = table[t0 / block_size], len = std::min(block_size, n - t0);
         for (int64_t h = 0; h < nkv; ++h)
           for (int64_t o = 0; o < len; ++o) {
-            const float* vr = row_f32(vb + (h * block_size + o) * hd, rowbuf.data(), hd);
+            const float* vr = row_f32(vp + batchserve::kv_row(block, o, h, nkv, block_size) * hd, rowbuf.data(), hd);
             for (int64_t qh = h * g; qh < (h + 1) * g; ++qh)
               axpy(acc.data() + qh * hd, scores[qh * n + t0 + o], vr, hd);
           }
@@ -229,9 +227,9 @@ struct State {
 };
 
 // One tile for G query heads that share a kv head (their q, running max m, sum l and acc at
-// qs, m, l, acc, in head order); token t's row of that kv head is at krow[t] + hoff (vrow for V). The G heads are done together so that each K and V row is loaded
-// once for all of them and the V accumulation has G * NV
-// independent FMA chains: with one head at a time (NV chains of 16 dependent FMAs) the kernel
+// qs, m, l, acc, in head order); token t's row of that kv head is at krow[t] + hoff (vrow for V).
+// The G heads are done together so that each K and V row is loaded once for all of them and the
+// V accumulation has G * NV independent FMA chains: with one head at a time (NV chains of 16 dependent FMAs) the kernel
 // was bound by FMA latency, not by memory.
 template <typename T, int NV, int G>
 inline void tile_heads(const float* qs, const T* const* krow, const T* const* vrow, int64_t hoff,
@@ -307,25 +305,23 @@ inline void tile_heads(const float* qs, const T* const* krow, const T* const* vr
 // shapes). Over blocks scattered one by one this layout is ~1.5x slower (15 against 23-25 GB/s):
 // a block is then read as three 2 KB pieces at different moments, and neither a whole-block
 // prefetch nor one 16-32 tokens further ahead won that back. The KV manager keeps a request's
-// blocks in one run. Without the
-// prefetch the loads of a new block wait on DRAM with nothing else to do; with it they overlap
-// with the arithmetic of the tiles before.
+// blocks in one run. Without the prefetch the loads of a new block wait on DRAM with nothing else
+// to do; with it they overlap with the arithmetic of the tiles before.
 template <typename T, int NV>
 void attend(const float* qs, const T* kc, const T* vc, const int64_t* table, int64_t bs, int64_t nkv,
             int64_t g, int64_t p0, int64_t p1, State& st) {
   constexpr int HD = NV * 16;
-  const int64_t hstride = bs * HD, bstride = nkv * hstride;  // elements per kv head, per block
+  const int64_t hstride = bs * HD;  // from one kv head's row to the next one's (kv_row)
   constexpr int64_t kHeadBytes = HD * static_cast<int64_t>(sizeof(T));
   const T* krow[kTile];  // token t's row of kv head 0 (kv head h: + h * hstride)
   const T* vrow[kTile];
   const T* next[kTile];  // the same for the tile kPrefetchAhead tokens on (offsets into both caches)
-  int nnext = 0;
   int64_t blk = p0 / bs, off = p0 % bs;  // walks the block table without a division per token
   int64_t pf = p0, pfblk = blk, pfoff = off;  // the prefetch walker
   auto rows_from = [&](int64_t limit, const T** out) {  // the prefetch walker's rows up to limit
     int n = 0;
     for (limit = std::min(limit, p1); pf < limit; ++pf, ++n) {
-      out[n] = kc + table[pfblk] * bstride + pfoff * HD;
+      out[n] = kc + batchserve::kv_row(table[pfblk], pfoff, 0, nkv, bs) * HD;
       if (++pfoff == bs) pfoff = 0, ++pfblk;
     }
     return n;
@@ -349,12 +345,12 @@ void attend(const float* qs, const T* kc, const T* vc, const int64_t* table, int
     const int nvalid = static_cast<int>(std::min<int64_t>(kTile, p1 - p));
     const __mmask16 valid = static_cast<__mmask16>((1u << nvalid) - 1u);
     for (int t = 0; t < nvalid; ++t) {
-      krow[t] = kc + table[blk] * bstride + off * HD;
+      krow[t] = kc + batchserve::kv_row(table[blk], off, 0, nkv, bs) * HD;
       vrow[t] = vc + (krow[t] - kc);
       if (++off == bs) off = 0, ++blk;
     }
     for (int t = nvalid; t < kTile; ++t) krow[t] = krow[0], vrow[t] = vrow[0];  // scored, then masked
-    nnext = rows_from(p + kPrefetchAhead + kTile, next);
+    const int nnext = rows_from(p + kPrefetchAhead + kTile, next);
     for (int64_t h = 0; h < nkv; ++h) {
       prefetch_head(next, nnext, h);  // kv head h of the tile kPrefetchAhead tokens on
       for (int64_t j = 0; j < g; j += 4) {
@@ -592,7 +588,7 @@ void prefill_item(const float* q, int64_t q_tok_stride, const T* kc, const T* vc
     const int64_t nk = std::min<int64_t>(kTile, last + 1 - base);
     for (int64_t j = 0; j < nk; ++j) {
       const int64_t pos = base + j;
-      const int64_t at = ((table[pos / block_size] * nkv + kvh) * block_size + pos % block_size) * HD;
+      const int64_t at = batchserve::kv_row(table[pos / block_size], pos % block_size, kvh, nkv, block_size) * HD;
       row_to_float(kc + at, b.kf.data() + j * HD, HD);
       row_to_float(vc + at, b.vf.data() + j * HD, HD);
     }
