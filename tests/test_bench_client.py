@@ -105,6 +105,10 @@ class MisbehavingServer:
             self._plain(writer, "500 Internal Server Error", b'{"error": {"message": "boom"}}')
             return True
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        if kind == "hang":  # headers, then silence
+            await writer.drain()
+            await asyncio.sleep(30)
+            return False
 
         async def event(obj: object) -> None:
             data = b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n"
@@ -192,6 +196,19 @@ def test_run_time_limit_cuts_off_and_unreachable_server():
     (r,) = res.records
     assert r.status == 0 and "connect" in r.error and not r.disconnected
     assert summarize(res.records, 1.0)["n_errors"] == 1
+
+
+def test_a_silent_stream_times_out():
+    with MisbehavingServer() as srv:
+        t = time.monotonic()
+        res = run([_item(0.0, "hang"), _item(0.0, "ok")],
+                  ClientConfig(f"http://127.0.0.1:{srv.port}", progress=False, request_timeout_s=0.5,
+                               metrics_interval_s=0.1, max_duration_s=20))
+        assert time.monotonic() - t < 10
+    hang, ok = res.records
+    assert hang.status == 200 and "timeout" in hang.error and not hang.disconnected and not hang.ok
+    assert hang.end_time - hang.send_time == pytest.approx(0.5, abs=0.3)
+    assert ok.ok
 
 
 def test_parse_metrics_tolerates_other_servers():
