@@ -344,3 +344,18 @@ def test_soft_deadline_truncates(server) -> None:
     assert choice["finish_reason"] == "deadline_truncated"
     assert 0 < r.json()["usage"]["completion_tokens"] < 1500
     assert took < 4.0  # the 1,500 tokens would take 5 s or more
+
+
+def test_sse_text_chunks_are_the_bytes_of_the_whole_object():
+    """The prebuilt bytes around a text delta must give what encoding the whole chunk gives."""
+    from batchserve.server.responses import ChunkWriter
+
+    for chat in (False, True):
+        for usage in (False, True):
+            w = ChunkWriter('cmpl-"1\\', 1700000000, 'my "model" é', chat, usage)
+            for text in ["Paris", ' "quoted" \\ ', "é中😀", "\x00\x1f\n\t", "\u2028", ""]:
+                fast = w._delta(text)
+                assert fast == w._chunk(w._choice(text, None))
+                obj = json.loads(fast[len(b"data: "):])
+                got = obj["choices"][0]["delta"]["content"] if chat else obj["choices"][0]["text"]
+                assert got == text and obj["model"] == 'my "model" é' and ("usage" in obj) == usage

@@ -65,6 +65,15 @@ class ChunkWriter:
         self.rid, self.created, self.model, self.chat = rid, created, model, chat
         self.include_usage = include_usage
         self._started = False
+        # A text delta is most of a stream's chunks, and only its text changes: the bytes around
+        # it are built once (the same bytes sse() would write for the whole object).
+        choice = self._choice("\x00", None)
+        head, tail = self._chunk(choice).rsplit(b'"\\u0000"', 1)  # the text is the last string
+        self._delta_head, self._delta_tail = head, tail
+
+    def _delta(self, text: str) -> bytes:
+        """`self._chunk(self._choice(text, None))` without building and encoding the object."""
+        return self._delta_head + json.dumps(text, ensure_ascii=False).encode() + self._delta_tail
 
     def _chunk(self, choice: dict[str, Any] | None, usage_: dict[str, int] | None = None) -> bytes:
         obj: dict[str, Any] = {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -89,7 +98,7 @@ class ChunkWriter:
         self._started = True
         if not out.finished:
             if out.new_text:
-                parts.append(self._chunk(self._choice(out.new_text, None)))
+                parts.append(self._delta(out.new_text))
             return b"".join(parts)
         err = output_error(out)
         if err is not None:  # the status line is long gone: an error event, as OpenAI streams do
