@@ -184,6 +184,31 @@ def test_stop_strings(llm):
     assert out.text.rstrip().endswith("6,") and "7" not in out.text
 
 
+def test_text_decoder_is_the_tokenizers_decode_and_streams_the_final_text(llm):
+    """The engine decodes with the Rust tokenizer directly when transformers would add nothing:
+    the same text as tokenizer.decode on any ids (special tokens, byte pieces of split UTF-8),
+    and the incremental text a stream releases adds up to the whole output's decode."""
+    import random
+
+    from batchserve.engine.detokenizer import DetokState, detokenize_step, text_decoder
+
+    tok = llm.tokenizer
+    decode = text_decoder(tok)
+    assert decode.func.__self__ is tok._tokenizer  # the fast path is the one taken for this model
+    rng = random.Random(0)
+    vocab = len(tok)
+    specials = list(tok.all_special_ids)
+    utf8 = tok.encode("naïve café 東京 😀 — ok", add_special_tokens=False)
+    for n in range(60):
+        ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 24))]
+        ids[rng.randrange(len(ids)):rng.randrange(len(ids)) + 1] = utf8 if n % 3 == 0 else specials[:2]
+        assert decode(ids) == tok.decode(ids, skip_special_tokens=True)
+        st, text = DetokState(), ""
+        for i in range(1, len(ids) + 1):
+            text += detokenize_step(decode, ids[:i], st)
+        assert tok.decode(ids, skip_special_tokens=True).startswith(text)
+
+
 def test_bf16_matmul_mode_answers_and_mostly_agrees_with_fp32(llm):
     """--matmul-dtype bfloat16 on the real model: the same demo answer, and greedy decoding that
     follows the float32 model's for most of a short continuation (bf16 rounding may flip a near tie)."""

@@ -12,7 +12,7 @@ from batchserve.core.policies import make_policy
 from batchserve.core.scheduler import Scheduler
 from batchserve.core.stats import QueueStats
 from batchserve.engine.clock import WallClock
-from batchserve.engine.detokenizer import DetokState, detokenize_step, find_stop
+from batchserve.engine.detokenizer import DetokState, detokenize_step, find_stop, text_decoder
 from batchserve.request import Request, RequestError, RequestStatus, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,7 @@ class LLMEngine:
         self.config = config
         self.executor = executor
         self.tokenizer = tokenizer
+        self._decode = text_decoder(tokenizer) if tokenizer is not None else None
         self.eos_token_id = eos_token_id
         self.clock = clock or WallClock()
         self.kv = KVCacheManager(executor.num_blocks, config.cache.block_size, config.cache.prefix_caching)
@@ -135,7 +136,7 @@ class LLMEngine:
             self.scheduler.add(req, at)
         if self.tokenizer is not None:
             st = self._detok[req.request_id] = DetokState()
-            detokenize_step(self.tokenizer, req.output_token_ids, st)  # its text went out from the prefill side
+            detokenize_step(self._decode, req.output_token_ids, st)  # its text went out from the prefill side
         return req
 
     def _new_request(self, ids: list[int], params: SamplingParams, now: float | None, request_id: str | None,
@@ -222,7 +223,7 @@ class LLMEngine:
         st = self._detok.get(req.request_id)
         if st is None:
             return ""
-        new = detokenize_step(self.tokenizer, req.output_token_ids, st)
+        new = detokenize_step(self._decode, req.output_token_ids, st)
         cut = find_stop(st.text, len(new), req.params.stop)
         if cut >= 0:
             new = new[:max(0, len(new) - (len(st.text) - cut))]
@@ -236,7 +237,7 @@ class LLMEngine:
         st = self._detok.get(req.request_id)
         if st is None or st.read_offset < 0 or not req.output_token_ids:
             return ""
-        full = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+        full = self._decode(req.output_token_ids)
         rest = full[len(st.text):] if full.startswith(st.text) else ""
         st.text += rest
         return rest
