@@ -83,12 +83,21 @@ def test_write_load_and_compare(tmp_path):
 
 def test_write_section_replaces_only_the_section_with_that_heading(tmp_path):
     """A section is found by its heading at the start of a line: '## X' replaces '## X ...' up to
-    the next '## ', never starting inside a '### X ...' subsection; a missing one is appended."""
-    from batchserve.bench.foundation import write_section
+    the next '## ', never starting inside a '### X ...' subsection; a missing one is appended.
+    What follows the section's KEEP_MARK (readings written by hand) survives a rerun."""
+    from batchserve.bench.foundation import KEEP_MARK, write_section
 
     p = tmp_path / "b.md"
     p.write_text("# B\n\n## A\n\na\n\n### X history\n\nkept\n\n## X (old run)\n\nold\n\n## C\n\nc\n")
     write_section(str(p), "## X", "## X (new run)\n\nnew\n\n")
-    assert p.read_text() == "# B\n\n## A\n\na\n\n### X history\n\nkept\n\n## X (new run)\n\nnew\n\n## C\n\nc\n"
+    assert p.read_text() == ("# B\n\n## A\n\na\n\n### X history\n\nkept\n\n## X (new run)\n\nnew\n\n"
+                             f"{KEEP_MARK}\n\n## C\n\nc\n")
+    # a reading added under the mark stays; the generated part above it is replaced
+    p.write_text(p.read_text().replace(f"{KEEP_MARK}\n", f"{KEEP_MARK}\n\nReading: X got faster.\n"))
+    write_section(str(p), "## X", "## X (third run)\n\nnewer\n")
+    assert p.read_text() == ("# B\n\n## A\n\na\n\n### X history\n\nkept\n\n## X (third run)\n\nnewer\n\n"
+                             f"{KEEP_MARK}\n\nReading: X got faster.\n\n## C\n\nc\n")
     write_section(str(p), "## Z", "## Z\n\nz\n")
-    assert p.read_text().endswith("## C\n\nc\n\n## Z\n\nz\n")
+    assert p.read_text().endswith(f"## C\n\nc\n\n## Z\n\nz\n\n{KEEP_MARK}\n")
+    write_section(str(p), "## Z", "## Z\n\nz2\n")  # the last section, with its mark
+    assert p.read_text().endswith(f"## C\n\nc\n\n## Z\n\nz2\n\n{KEEP_MARK}\n")
