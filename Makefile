@@ -30,7 +30,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
 
 # Benchmarks want a quiet machine (no build, test run or second server beside them).
-# In-process sections of BENCHMARKS.md (about 20 minutes here), then the HTTP comparison.
+# In-process sections of BENCHMARKS.md (33 minutes here in session 10), then the HTTP comparison.
 bench: bench-engine bench-http bench-ray
 
 bench-engine: $(STAMP)
