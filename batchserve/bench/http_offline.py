@@ -61,8 +61,9 @@ def main(argv: list[str] | None = None) -> int:
             client_cpu = time.process_time() - c0
             ok = sum(1 for x in res.records if x.ok)
             tokens = sum(x.output_tokens for x in res.records)
-            rows.append((offline, tokens / res.duration_s, tokens, res.duration_s, ok, client_cpu))
-            print(f"round {r + 1}: offline {offline['tok_s']:.1f} tok/s, http {tokens / res.duration_s:.1f} tok/s "
+            http = tokens / res.duration_s
+            rows.append((offline, http, tokens, res.duration_s, ok, client_cpu))
+            print(f"round {r + 1}: offline {offline['tok_s']:.1f} tok/s, http {http:.1f} tok/s "
                   f"({ok}/{len(items)} ok, client CPU {client_cpu:.2f} s)", file=sys.stderr)
     ratios = [h / o["tok_s"] for o, h, *_ in rows]
     median = statistics.median(ratios)

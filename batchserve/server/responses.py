@@ -66,10 +66,9 @@ class ChunkWriter:
         self.include_usage = include_usage
         self._started = False
         # A text delta is most of a stream's chunks, and only its text changes: the bytes around
-        # it are built once (the same bytes sse() would write for the whole object).
-        choice = self._choice("\x00", None)
-        head, tail = self._chunk(choice).rsplit(b'"\\u0000"', 1)  # the text is the last string
-        self._delta_head, self._delta_tail = head, tail
+        # it are built once (the same bytes sse() would write for the whole object; the text is
+        # the object's last string).
+        self._delta_head, self._delta_tail = self._chunk(self._choice("\x00", None)).rsplit(b'"\\u0000"', 1)
 
     def _delta(self, text: str) -> bytes:
         """`self._chunk(self._choice(text, None))` without building and encoding the object."""
@@ -103,12 +102,12 @@ class ChunkWriter:
         err = output_error(out)
         if err is not None:  # the status line is long gone: an error event, as OpenAI streams do
             if out.new_text:
-                parts.append(self._chunk(self._choice(out.new_text, None)))
+                parts.append(self._delta(out.new_text))
             parts.append(sse({**err.body(), "status_code": err.status}))
             return b"".join(parts) + SSE_DONE
         if self.chat:
             if out.new_text:
-                parts.append(self._chunk(self._choice(out.new_text, None)))
+                parts.append(self._delta(out.new_text))
             parts.append(self._chunk(self._choice(None, out.finish_reason)))
         else:
             parts.append(self._chunk(self._choice(out.new_text, out.finish_reason)))
