@@ -175,3 +175,25 @@ def test_portable_float16_conversions_match_torch():
     big = torch.tensor([65520.0, 1e30, float("inf"), -float("inf"), float("nan")])
     sat = ext.fp16_from_float_portable(big).view(torch.float16).float()
     assert sat[:3].tolist() == [65504.0] * 3 and sat[3] == -65504.0 and sat[4].isnan()
+
+
+def test_decode_only_metadata_equals_the_general_build():
+    """AttnMeta.build's decode-only path (Python ints, for the C++ kernel) gives the fields the
+    general path gives for the same decodes: slots at block boundaries and inside blocks, ragged
+    block tables, a request whose position starts a new block."""
+    kernel = paged_attention_ext()
+    if kernel is None:
+        pytest.skip("C++ toolchain not available here")
+    bs = 16
+    seqs = [(1, 1, [7]), (15, 1, [3]), (16, 1, [9, 4]), (47, 1, [11, 12, 13]), (100, 1, list(range(20, 27)))]
+    fast = AttnMeta.build(seqs, bs, torch.device("cpu"), kernel)
+    ref = AttnMeta._build_general(seqs, bs, torch.device("cpu"), kernel)
+    assert fast.decode_only and ref.decode_only and fast.dec_contiguous and fast.prefills == []
+    assert (fast.dec_lo, fast.dec_hi, fast.block_size) == (ref.dec_lo, ref.dec_hi, ref.block_size) == (0, 5, bs)
+    for name in ("slot_mapping", "dec_rows", "dec_tables", "dec_lens"):
+        a, b = getattr(fast, name), getattr(ref, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert fast.slot_mapping.tolist() == [7 * bs + 1, 3 * bs + 15, 4 * bs, 13 * bs + 15, 26 * bs + 4]
+    # a prompt chunk or a first token (position 0) in the step: the general path
+    assert not AttnMeta.build(seqs + [(0, 1, [30])], bs, torch.device("cpu"), kernel).decode_only
+    assert AttnMeta.build(seqs + [(0, 3, [30])], bs, torch.device("cpu"), kernel).prefills

@@ -80,6 +80,27 @@ def test_greedy_is_the_first_largest_and_masked_tokens_are_never_drawn(name, fn)
     assert set(drawn.tolist()) == {1, 3}
 
 
+@pytest.mark.parametrize("name,fn", PATHS)
+@pytest.mark.parametrize("V", [63, 64, 65, 200, 49152])
+def test_greedy_finds_the_first_largest_anywhere_in_a_wide_row(name, fn, V):
+    """Greedy rows as wide as a vocabulary, so that the kernel's 64- and 16-wide loops and its tail
+    all hold the answer in some row: ties (the first wins), a NaN (the first NaN wins, as in
+    torch.argmax), an all -inf row."""
+    g = torch.Generator().manual_seed(V)
+    x = torch.randn(12, V, generator=g)
+    spots = [0, V // 3, V - 17, V - 16, V - 1, 15, 16, 47, 48]
+    for r, j in enumerate(spots):
+        j = min(max(j, 0), V - 1)
+        x[r, j] = 10.0
+        x[r, min(j + 5, V - 1)] = 10.0  # a tie after it
+    x[9, 20 % V], x[9, (V - 3) % V], x[9, V // 2] = float("nan"), float("nan"), 50.0
+    x[10] = float("-inf")
+    x[11, V // 2:] = float("-inf")
+    zeros = torch.zeros(12)
+    got = fn(x, zeros, torch.zeros(12, dtype=torch.long), torch.ones(12), zeros).tolist()
+    assert got == x.argmax(-1).tolist()
+
+
 @pytest.mark.parametrize("V", [1, 7, 16, 17, 255, 257, 4099, 49152])
 def test_kernel_matches_the_pytorch_path(V):
     """Rows of V logits (the kernel's vector body, its scalar tail and its 256-token blocks, whole

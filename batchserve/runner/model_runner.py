@@ -120,6 +120,8 @@ class ModelRunner:
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, positions, meta, self.kv_caches)  # [T, H]
         with torch.inference_mode():
+            if len(sample_rows) == len(ids):  # every row samples (decodes only): no gathered copy
+                return self.model.logits(hidden)
             return self.model.logits(hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)])
 
     def execute(self, batch: ScheduledBatch) -> StepOutput:

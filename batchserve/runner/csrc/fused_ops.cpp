@@ -247,15 +247,23 @@ float row_max(const float* x, int64_t V, bool& nan) {
   int64_t j = 0;
   nan = false;
 #if defined(__AVX512F__)
-  __m512 vm = _mm512_set1_ps(-INFINITY);
+  // four independent maxima, so that the loop is not one chain of vmaxps latencies
+  __m512 vm[4] = {_mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY),
+                  _mm512_set1_ps(-INFINITY)};
   __mmask16 un = 0;
+  for (; j + 64 <= V; j += 64)
+    for (int i = 0; i < 4; ++i) {
+      const __m512 v = _mm512_loadu_ps(x + j + 16 * i);
+      un |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      vm[i] = _mm512_max_ps(vm[i], v);
+    }
   for (; j + 16 <= V; j += 16) {
     const __m512 v = _mm512_loadu_ps(x + j);
     un |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    vm = _mm512_max_ps(vm, v);
+    vm[0] = _mm512_max_ps(vm[0], v);
   }
   nan = un != 0;
-  m = _mm512_reduce_max_ps(vm);
+  m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(vm[0], vm[1]), _mm512_max_ps(vm[2], vm[3])));
 #endif
   for (; j < V; ++j) {
     nan = nan || std::isnan(x[j]);
@@ -268,7 +276,16 @@ float row_max(const float* x, int64_t V, bool& nan) {
 int64_t argmax_row(const float* x, int64_t V) {
   bool nan;
   const float m = row_max(x, V, nan);
-  for (int64_t j = 0; j < V; ++j)
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  const __m512 mv = _mm512_set1_ps(m);
+  for (; j + 16 <= V; j += 16) {
+    const __m512 v = _mm512_loadu_ps(x + j);
+    const __mmask16 hit = nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(v, mv, _CMP_EQ_OQ);
+    if (hit) return j + __builtin_ctz(hit);
+  }
+#endif
+  for (; j < V; ++j)
     if (nan ? std::isnan(x[j]) : x[j] == m) return j;
   return 0;  // all -inf
 }
