@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from batchserve.bench.roofline import Machine, decode_ceiling, linear_params
+from batchserve.bench.roofline import Machine, decode_ceiling, linear_params, schedule_ceiling_seconds
 from batchserve.runner.models.llama import LlamaConfig
 
 
@@ -21,6 +21,25 @@ def test_decode_ceiling_is_bytes_bound_at_batch_1_and_flops_bound_at_large_batch
     # batch 256: arithmetic dominates
     flops = 2 * 256 * (lin + head) + 4 * 256 * 128 * cfg.num_layers * cfg.num_heads * cfg.head_dim
     assert decode_ceiling(cfg, mach, 256, 128) == pytest.approx(256 / (flops / 400e9))
+
+
+def test_schedule_ceiling_sums_each_steps_ceiling():
+    cfg = LlamaConfig()
+    mach = Machine({512: 400.0}, peak_gflops=400.0, bandwidth_gbs=50.0, threads=2)
+    # one step of 4 rows at contexts summing to 2,000 (mean 500), one of 64 at 128 each, an empty step
+    steps = [(4, 2000), (64, 64 * 128), (0, 0)]
+    want = 4 / decode_ceiling(cfg, mach, 4, 500) + 64 / decode_ceiling(cfg, mach, 64, 128)
+    assert schedule_ceiling_seconds(cfg, mach, steps) == pytest.approx(want)
+    # two equal steps cost twice one
+    small = [(8, 8 * 300)] * 2
+    assert schedule_ceiling_seconds(cfg, mach, small) == pytest.approx(2 * 8 / decode_ceiling(cfg, mach, 8, 300))
+    # the arithmetic-bound step of 64 rows takes longer than the bytes at 64 rows alone would
+    bytes_only = Machine({512: 1e9}, peak_gflops=1e9, bandwidth_gbs=50.0, threads=2)
+    assert schedule_ceiling_seconds(cfg, mach, [(64, 64 * 128)]) > schedule_ceiling_seconds(cfg, bytes_only,
+                                                                                          [(64, 64 * 128)])
+    # stored weights (fewer bytes) lower the bytes-bound steps' time
+    assert schedule_ceiling_seconds(cfg, mach, [(4, 2000)], weight_bytes=10**8) < schedule_ceiling_seconds(
+        cfg, mach, [(4, 2000)])
 
 
 def test_stored_weight_bytes_count_gguf_blocks_at_their_packed_size():

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from batchserve.bench.roofline import (decode_ceiling, linear_params, measure_machine, median_time,
-                                       prefill_ceiling, stored_weight_bytes)
+                                       prefill_ceiling, schedule_ceiling_seconds, stored_weight_bytes)
 from batchserve.core.batch import ScheduledBatch, ScheduledSeq
 from batchserve.core.kv_cache import KVCacheManager
 from batchserve.request import SamplingParams
@@ -68,13 +68,16 @@ def run_offline(llm, work) -> dict:
     for ids, m in work:
         eng.add_request(ids, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
     ntok = 0
+    steps: list[tuple[int, int]] = []  # per step: rows that produced a token, the sum of their contexts
     while eng.has_unfinished:
         outs = eng.step()
         running = len(eng.scheduler.running) + sum(1 for o in outs if o.finished)
         sizes.append(running)
+        ctx = [len(o.prompt_token_ids) + len(o.token_ids) - 1 for o in outs if o.new_token_ids]
+        steps.append((len(ctx), sum(ctx)))
         ntok += sum(len(o.new_token_ids) for o in outs)
     dt = time.perf_counter() - t0
-    return {"tokens": ntok, "seconds": dt, "tok_s": ntok / dt, "mean_batch": float(np.mean(sizes))}
+    return {"tokens": ntok, "seconds": dt, "tok_s": ntok / dt, "mean_batch": float(np.mean(sizes)), "steps": steps}
 
 
 def run_hf(work, tok_per_req: list[int]) -> dict:
@@ -189,6 +192,16 @@ def main(argv: list[str] | None = None) -> None:
                  f"({100 * res['tok_s'] / ceil:.0f}%)"
                  + (f"; with the weights as stored ~{own:.0f} tok/s ({100 * res['tok_s'] / own:.0f}%)" if qm else "")
                  + ".")
+    # The same ceiling step by step: each step's rows at their own contexts (the line above takes
+    # the mean batch and the median prompt + 64 tokens of context; the long answers decode further out).
+    sched = schedule_ceiling_seconds(cfg, mach, res["steps"])
+    rows = sum(b for b, _ in res["steps"])
+    lines.append(f"\nDecode ceiling of this run's own steps (each step's {rows / len(res['steps']):.1f} rows on average "
+                 f"at their own contexts, mean {sum(c for _, c in res['steps']) / max(1, rows):.0f} tokens): "
+                 f"{sched:.1f} s, {res['tokens'] / sched:.0f} tok/s; the run reaches **{100 * sched / res['seconds']:.0f}%** "
+                 "of it" + ("" if len(runs) == 1 else " (the other runs: " + ", ".join(
+                     f"{100 * schedule_ceiling_seconds(cfg, mach, r['steps']) / r['seconds']:.0f}%"
+                     for r in runs if r is not res) + ")") + ".")
     # The run's floor: its prompt tokens cannot go faster than the prefill ceiling, nor its output
     # tokens than the decode ceiling at the batch it runs at; a decode-only ceiling ignores the former.
     ptoks = sum(len(p) for p, _ in work)

@@ -124,6 +124,15 @@ def decode_ceiling(cfg: LlamaConfig, mach: Machine, batch: int, ctx: int, elem: 
     return batch / t
 
 
+def schedule_ceiling_seconds(cfg: LlamaConfig, mach: Machine, steps: list[tuple[int, int]], **kw) -> float:
+    """The decode ceiling of a run's own schedule: for each step (rows that produced a token, the
+    sum of their context lengths), the time `decode_ceiling` gives those rows at their mean
+    context, summed. Unlike one ceiling at the run's mean batch and an assumed context, it follows
+    the batch and the contexts step by step (a step of 64 rows is arithmetic-bound where one of 4
+    is bytes-bound; long answers decode at long contexts). `kw`: decode_ceiling's byte options."""
+    return sum(b / decode_ceiling(cfg, mach, b, ctx / b, **kw) for b, ctx in steps if b > 0)
+
+
 def stored_weight_bytes(model) -> int:
     """Bytes of the matrices a decode step reads, as the model stores them (every layer's four
     and the LM head; GGUF blocks count at their packed size, scales included)."""
