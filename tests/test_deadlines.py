@@ -199,3 +199,24 @@ def test_level_default_deadline_applies(make_fake_engine):
     assert [done[r.request_id].finish_reason for r in (hi, lo, own)] == ["deadline", "deadline_truncated",
                                                                        "length"]
     assert hi.status == RequestStatus.FINISHED_DEADLINE
+
+
+def test_no_step_prediction_without_a_queued_deadline(make_fake_engine):
+    """The deadline watch predicts a step (and so refits the latency model) only while some
+    queued request has a deadline to look at again."""
+    eng = make_fake_engine(max_num_seqs=1)
+    model = eng.scheduler.latency
+    calls = []
+    predict = model.predict_step
+    model.predict_step = lambda t, s: calls.append((t, s)) or predict(t, s)
+    warm_up(eng, n=4)
+    assert calls == []  # twenty-odd steps, no deadline anywhere
+    eng.add_request([1, 2, 3], SamplingParams(max_tokens=20), now=eng.clock.now(), request_id="hog")
+    eng.step(now=eng.clock.now())  # the hog takes the one seat
+    eng.clock.set(eng.clock.now() + eng.executor.step_time)
+    eng.add_request([1, 2, 3], SamplingParams(max_tokens=2), now=eng.clock.now(), request_id="waiter",
+                    deadline_ms=10_000)
+    assert eng.scheduler.waiting.has_deadline_checks
+    done = drive(eng)
+    assert calls  # the queued deadline was watched
+    assert done["waiter"].finish_reason == "length" and done["hog"].finish_reason == "length"

@@ -71,7 +71,12 @@ def check_deadlines(sched: "Scheduler", now: float) -> None:
 def _watch_predictions(sched: "Scheduler") -> None:
     """The queue looks at each deadline again at a time computed from the prediction of
     then; when predictions have grown by a quarter since the lowest one in use (the model
-    became ready, or steps got slower), those times may be late, so look at all again."""
+    became ready, or steps got slower), those times may be late, so look at all again.
+    With no deadline in the queue there is nothing to look at again: no prediction is made
+    (it would refit the latency model every step for nothing). The floor kept from before only
+    makes the first look after new deadlines arrive a full one, which is safe."""
+    if not sched.waiting.has_deadline_checks:
+        return
     b = min(sched.config.max_num_seqs, len(sched.running) + 1)
     probe = sched.latency.predict_step(b, b)
     low = sched.prediction_floor

@@ -166,6 +166,12 @@ class AdmissionQueue:
         self._maybe_compact()
         return doomed
 
+    @property
+    def has_deadline_checks(self) -> bool:
+        """Whether any queued request's deadline is waiting to be looked at again (some entries
+        may belong to requests that have left; that only means a look that finds nothing)."""
+        return bool(self._checks)
+
     def recheck_all(self) -> None:
         """Look at every queued deadline again on the next refresh: the predictions the
         current look-at times came from have grown (O(n), and rare)."""
