@@ -8,7 +8,8 @@ policy (or `--policy`) with `--max-num-seqs` on the roofline model; reports wall
 step. Part 2, the per-step cost at fixed batch sizes: a workload that keeps exactly B requests
 decoding (all arrive at t=0, long outputs, max_num_seqs=B), timed over `--steps` steps after a
 warm-up; reports microseconds per scheduled step (schedule + predicted execute + update, the
-engine's whole step) and per sequence, at B = 64 and 256.
+engine's whole step) and per sequence, at B = 64 and 256: the least and the median of `--repeats`
+runs.
 """
 from __future__ import annotations
 
@@ -73,11 +74,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--policy", default=SchedulerConfig.policy)
     ap.add_argument("--steps", type=int, default=300, help="timed steps per batch size")
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="measure each batch size this many times, alternating, and report the least and the median "
+                         "(noise only adds time; the speed of some machines moves by 2x from second to second)")
     ap.add_argument("--skip-e2e", action="store_true")
     a = ap.parse_args(argv)
-    for b in (64, 256):
-        r = per_step(b, a.steps, a.policy)
-        print(f"batch {b}: {r['us_per_step']:.0f} us per scheduled step ({r['us_per_seq']:.1f} us per sequence)")
+    runs: dict[int, list[float]] = {64: [], 256: []}
+    for _ in range(max(1, a.repeats)):
+        for b in runs:
+            runs[b].append(per_step(b, a.steps, a.policy)["us_per_step"])
+    for b, us in runs.items():
+        us.sort()
+        print(f"batch {b}: {us[0]:.0f} us per scheduled step ({us[0] / b:.1f} us per sequence), the least of "
+              f"{len(us)} runs; median {us[len(us) // 2]:.0f} us ({us[len(us) // 2] / b:.1f} us per sequence); all: "
+              + ", ".join(f"{u:.0f}" for u in us))
     if not a.skip_e2e:
         r = end_to_end(a.requests, a.rate, a.max_num_seqs, policy=a.policy)
         print(f"{r['requests']} chat requests at {a.rate:g} req/s, {a.policy}, max_num_seqs {a.max_num_seqs}: "
