@@ -6,7 +6,6 @@ throughput on the 64-request workload, and transformers side by side.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import os
 import platform
@@ -17,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from batchserve.bench.roofline import (decode_ceiling, linear_params, measure_machine, median_time,
-                                       memory_gbs, prefill_ceiling, schedule_ceiling_seconds, stored_weight_bytes)
+                                       prefill_ceiling, schedule_ceiling_seconds, stored_weight_bytes)
 from batchserve.core.batch import ScheduledBatch, ScheduledSeq
 from batchserve.core.kv_cache import KVCacheManager
 from batchserve.request import SamplingParams
@@ -180,11 +179,7 @@ def main(argv: list[str] | None = None) -> None:
             kv.free(f"p{i}")
 
     work = offline_workload(a.requests, 0, cfg.vocab_size)
-    runs = []
-    for _ in range(max(1, a.workload_runs)):  # each run with the memory probe taken right before it
-        probe = memory_gbs(3)
-        runs.append({**run_offline(llm, work), "probe_gbs": probe})
-    runs.sort(key=lambda r: r["tok_s"])
+    runs = sorted((run_offline(llm, work) for _ in range(max(1, a.workload_runs))), key=lambda r: r["tok_s"])
     res = runs[len(runs) // 2]  # the median run
     ceil = decode_ceiling(cfg, mach, max(1, round(res["mean_batch"])), 200 + 64)
     own = decode_ceiling(cfg, mach, max(1, round(res["mean_batch"])), 200 + 64, weight_bytes=wbytes)
@@ -207,20 +202,6 @@ def main(argv: list[str] | None = None) -> None:
                  "of it" + ("" if len(runs) == 1 else " (the other runs: " + ", ".join(
                      f"{100 * schedule_ceiling_seconds(cfg, mach, r['steps']) / r['seconds']:.0f}%"
                      for r in runs if r is not res) + ")") + ".")
-    # This machine's memory speed drifts between the probe at the start and the runs (20-26 GB/s
-    # within minutes in session 11), and the ceilings follow it: each run against its own probe.
-    def at_probe(r: dict) -> tuple[float, float]:
-        m = dataclasses.replace(mach, bandwidth_gbs=r["probe_gbs"])
-        c = decode_ceiling(cfg, m, max(1, round(r["mean_batch"])), 200 + 64)
-        return 100 * r["tok_s"] / c, 100 * schedule_ceiling_seconds(cfg, m, r["steps"]) / r["seconds"]
-
-    shares = [at_probe(r) for r in runs]
-    lines.append("\nEach run against the memory probe taken right before it ("
-                 + ", ".join(f"{r['probe_gbs']:.1f}" for r in runs) + " GB/s; the table's probe above: "
-                 f"{mach.bandwidth_gbs:.1f}): at the mean batch "
-                 + " / ".join(f"{x:.0f}%" for x, _ in shares) + f", median **{sorted(x for x, _ in shares)[len(shares) // 2]:.0f}%**;"
-                 " of the run's own steps " + " / ".join(f"{y:.0f}%" for _, y in shares)
-                 + f", median **{sorted(y for _, y in shares)[len(shares) // 2]:.0f}%** (runs in the order of their tok/s).")
     # The run's floor: its prompt tokens cannot go faster than the prefill ceiling, nor its output
     # tokens than the decode ceiling at the batch it runs at; a decode-only ceiling ignores the former.
     ptoks = sum(len(p) for p, _ in work)

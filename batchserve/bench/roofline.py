@@ -92,15 +92,10 @@ def measure_machine(cfg: LlamaConfig, rows: tuple[int, ...] = (1, 8, 32, 64, 128
             del weights
         rates = {m: max(r[m] for r in by_backend.values()) for m in rows}
         del dense
-    return Machine(rates, max(rates.values()), memory_gbs(reps), torch.get_num_threads(), by_backend)
-
-
-def memory_gbs(reps: int = 5) -> float:
-    """Memory bandwidth: the median time of a float32 sum over 512 MiB, far larger than any cache
-    (random values: a constant fill could be page-merged)."""
-    big = torch.rand(128 * 2**20)
-    t = median_time(lambda: big.sum(), reps)
-    return big.numel() * 4 / t / 1e9
+        big = torch.rand(128 * 2**20)  # 512 MiB of distinct pages (a constant fill could be page-merged)
+        t = median_time(lambda: big.sum(), reps)
+    bw = big.numel() * 4 / t / 1e9
+    return Machine(rates, max(rates.values()), bw, torch.get_num_threads(), by_backend)
 
 
 def random_q4_1(n: int, k: int, seed: int = 0) -> torch.Tensor:
