@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from batchserve.request import SamplingParams
 
 
-@dataclass(slots=True)
+@dataclass
 class ScheduledSeq:
     """One request's share of a step: `token_ids` at positions start_pos.. start_pos+len-1.
 
@@ -62,7 +62,7 @@ class StepOutput:
     step_time: float = 0.0
 
 
-@dataclass(slots=True)
+@dataclass
 class RequestOutput:
     """What the caller sees after a step for one request: the new tokens (and text) plus,
     once finished, the finish reason. `token_ids` is every output token so far: while the
