@@ -194,14 +194,16 @@ def main(argv: list[str] | None = None) -> None:
                  + ".")
     # The same ceiling step by step: each step's rows at their own contexts (the line above takes
     # the mean batch and the median prompt + 64 tokens of context; the long answers decode further out).
+    def sched_share(r: dict) -> float:
+        return 100 * schedule_ceiling_seconds(cfg, mach, r["steps"]) / r["seconds"]
+
     sched = schedule_ceiling_seconds(cfg, mach, res["steps"])
     rows = sum(b for b, _ in res["steps"])
     lines.append(f"\nDecode ceiling of this run's own steps (each step's {rows / len(res['steps']):.1f} rows on average "
                  f"at their own contexts, mean {sum(c for _, c in res['steps']) / max(1, rows):.0f} tokens): "
-                 f"{sched:.1f} s, {res['tokens'] / sched:.0f} tok/s; the run reaches **{100 * sched / res['seconds']:.0f}%** "
+                 f"{sched:.1f} s, {res['tokens'] / sched:.0f} tok/s; the run reaches **{sched_share(res):.0f}%** "
                  "of it" + ("" if len(runs) == 1 else " (the other runs: " + ", ".join(
-                     f"{100 * schedule_ceiling_seconds(cfg, mach, r['steps']) / r['seconds']:.0f}%"
-                     for r in runs if r is not res) + ")") + ".")
+                     f"{sched_share(r):.0f}%" for r in runs if r is not res) + ")") + ".")
     # The run's floor: its prompt tokens cannot go faster than the prefill ceiling, nor its output
     # tokens than the decode ceiling at the batch it runs at; a decode-only ceiling ignores the former.
     ptoks = sum(len(p) for p, _ in work)
