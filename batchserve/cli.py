@@ -33,9 +33,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "~5x fewer bytes than float32, see --matmul-dtype for the arithmetic); off: dequantize at load")
     g = p.add_argument_group("kv cache")
     g.add_argument("--kv-cache-gb", type=float, default=CacheConfig.kv_cache_gb)
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "int8"],
                    help="KV cache storage (auto: float16 where the C++ attention kernels run on the CPU, else as "
-                        "--dtype); 16 bits halve the bytes per token; float32 for an exact cache")
+                        "--dtype); 16 bits halve the bytes per token; int8 (a scale per token and kv head, C++ "
+                        "kernels only) takes 0.53x float16's; float32 for an exact cache")
     g.add_argument("--block-size", type=int, default=CacheConfig.block_size)
     g.add_argument("--num-blocks", type=int, default=None, help="override the pool size")
     g.add_argument("--prefix-caching", action="store_true")

@@ -80,13 +80,14 @@ class CacheConfig:
     prefix_caching: bool = False
     # auto: float16 where the C++ attention kernels run (a float32 model on the CPU), else the model's
     # dtype (runner.model_runner.resolve_kv_cache_dtype); bfloat16 / float16: K/V stored in 16 bits
-    # (half the bytes, twice the tokens per GB; attention math stays in the model's dtype)
+    # (half the bytes, twice the tokens per GB; attention math stays in the model's dtype); int8: a
+    # scale per token and kv head (~0.53x float16's bytes; C++ kernels on the CPU only)
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _check(self.block_size >= 1, "block_size", "must be >= 1")
-        _check(self.kv_cache_dtype in ("auto",) + _DTYPES, "kv_cache_dtype",
-               f"must be auto or one of {_DTYPES}, got {self.kv_cache_dtype!r}")
+        _check(self.kv_cache_dtype in ("auto",) + _DTYPES + ("int8",), "kv_cache_dtype",
+               f"must be auto, int8 or one of {_DTYPES}, got {self.kv_cache_dtype!r}")
         _check(self.kv_cache_gb > 0, "kv_cache_gb", "must be > 0")
         _check(self.num_blocks is None or self.num_blocks >= 1, "num_blocks", "must be >= 1")
 

@@ -165,7 +165,7 @@ def test_16bit_kv_cache_matches_across_paths_and_doubles_capacity(dtype):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)  # both paths store the same 16-bit values
         assert 0 < (a - r).abs().max() < (0.05 if dtype == "bfloat16" else 0.01) * r.abs().max()
     with pytest.raises(ConfigError, match="kv_cache_dtype"):
-        CacheConfig(kv_cache_dtype="int8")
+        CacheConfig(kv_cache_dtype="int4")
 
 
 def test_kv_cache_dtype_auto_is_float16_where_the_cpp_kernels_run():

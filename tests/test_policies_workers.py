@@ -18,10 +18,13 @@ from batchserve.request import SamplingParams
 SYSTEM = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]  # a shared prefix of three 4-token blocks
 
 
-def config(workers: bool, prefix_caching: bool) -> EngineConfig:
+def config(workers: bool, prefix_caching: bool, kv_cache_dtype: str = "auto") -> EngineConfig:
+    int8 = kv_cache_dtype == "int8"  # its kernels want head_dim 64 and blocks of 16
+    model = dict(TINY_MODEL, num_hidden_layers=3, **({"hidden_size": 128, "num_attention_heads": 2} if int8 else {}))
     return EngineConfig(
-        model=ModelConfig(model="dummy", dummy_config=dict(TINY_MODEL, num_hidden_layers=3), num_threads=1),
-        cache=CacheConfig(block_size=4, num_blocks=256, prefix_caching=prefix_caching),
+        model=ModelConfig(model="dummy", dummy_config=model, num_threads=1),
+        cache=CacheConfig(block_size=16 if int8 else 4, num_blocks=256, prefix_caching=prefix_caching,
+                          kv_cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(policy="cascade", prefill_max_batch=2, decode_max_batch=3, cascade_ratio=2,
                                   max_num_batched_tokens=32, cascade_workers=workers))
 
@@ -80,6 +83,25 @@ def test_without_the_handoff_the_tokens_differ(reference):
     finally:
         eng.executor.close()
     assert got != reference
+
+
+def test_workers_hand_off_an_int8_cache():
+    """The int8 cache's blocks (values and scales, K and V rows of different widths) cross intact:
+    the same greedy tokens as the one-process cascade on an int8 cache."""
+    from batchserve.runner.kernels import fused_ops_ext, paged_attention_ext
+
+    kernel = paged_attention_ext()
+    if kernel is None or fused_ops_ext() is None or not kernel.prefill_supported(64):
+        pytest.skip("the int8 cache's C++ kernels do not run here")
+    want = run(LLMEngine.from_config(config(False, False, "int8"), clock=SimClock()))
+    eng = LLMEngine.from_config(config(True, False, "int8"), clock=SimClock())
+    try:
+        got = run(eng)
+        stats = eng.executor.stats()
+    finally:
+        eng.executor.close()
+    assert got == want
+    assert stats["handoff_blocks"] >= 10
 
 
 def test_workers_need_the_cascade_policy():

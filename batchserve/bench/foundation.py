@@ -20,6 +20,7 @@ from batchserve.bench.roofline import (decode_ceiling, linear_params, measure_ma
 from batchserve.core.batch import ScheduledBatch, ScheduledSeq
 from batchserve.core.kv_cache import KVCacheManager
 from batchserve.request import SamplingParams
+from batchserve.runner.model_runner import kv_bytes_per_block
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -119,11 +120,15 @@ def main(argv: list[str] | None = None) -> None:
                     help="the engine's --matmul-dtype (a value other than auto gets its own section); with integer "
                          "dot products (auto picks int16 on AVX512-VNNI CPUs) the ceilings at their measured rate "
                          "are shown beside the fp32 ones")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "int8"],
+                    help="the engine's --kv-cache-dtype (a value other than auto gets its own section; the ceilings "
+                         "still count float32 K/V, and the workload's is also shown at the cache's own bytes)")
     a = ap.parse_args(argv)
 
     from batchserve.llm import LLM
 
-    llm = LLM(kv_cache_gb=2.0, max_num_seqs=64, max_num_batched_tokens=2048, matmul_dtype=a.matmul_dtype)
+    llm = LLM(kv_cache_gb=2.0, max_num_seqs=64, max_num_batched_tokens=2048, matmul_dtype=a.matmul_dtype,
+              kv_cache_dtype=a.kv_cache_dtype)
     runner, cfg = llm.engine.executor, llm.engine.executor.cfg
     integer = runner.model.act_bits > 0  # the products run as integer dot products
     mmd = f"int{runner.model.act_bits}"
@@ -204,6 +209,13 @@ def main(argv: list[str] | None = None) -> None:
                  f"{sched:.1f} s, {res['tokens'] / sched:.0f} tok/s; the run reaches **{sched_share(res):.0f}%** "
                  "of it" + ("" if len(runs) == 1 else " (the other runs: " + ", ".join(
                      f"{sched_share(r):.0f}%" for r in runs if r is not res) + ")") + ".")
+    kv_elem = kv_bytes_per_block(cfg, runner.block_size, runner.kv_dtype) / (
+        2 * cfg.num_layers * runner.block_size * cfg.num_kv_heads * cfg.head_dim)  # bytes a K/V element, scales in
+    if kv_elem != 4:
+        own_kv = schedule_ceiling_seconds(cfg, mach, res["steps"], elem=kv_elem, w_elem=4)
+        lines.append(f"\nThe same with K/V at the bytes this cache stores ({kv_elem:.2f} per element, not float32's 4): "
+                     f"{own_kv:.1f} s, {res['tokens'] / own_kv:.0f} tok/s; the run reaches "
+                     f"{100 * own_kv / res['seconds']:.0f}% of it.")
     # The run's floor: its prompt tokens cannot go faster than the prefill ceiling, nor its output
     # tokens than the decode ceiling at the batch it runs at; a decode-only ceiling ignores the former.
     ptoks = sum(len(p) for p, _ in work)
@@ -226,12 +238,13 @@ def main(argv: list[str] | None = None) -> None:
                      f"-> {ours['tok_s'] / hf['static_tok_s']:.1f}x.")
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     body = "\n".join(lines)
-    mode = "" if a.matmul_dtype == "auto" else f" --matmul-dtype {a.matmul_dtype}"
+    mode = ("" if a.matmul_dtype == "auto" else f" --matmul-dtype {a.matmul_dtype}") + (
+        "" if a.kv_cache_dtype == "auto" else f" --kv-cache-dtype {a.kv_cache_dtype}")
     head = f"## Foundation,{mode}:" if mode else "## Foundation:"
     report = (f"{head} decode, prefill, offline throughput\n\nCommand: `python -m "
               f"batchserve.bench.foundation{' --skip-hf' if a.skip_hf else ''}{mode}`, {stamp}"
               f"{f'; matrix products as {mmd} dot products on the GGUF blocks' if integer else ''}; KV cache "
-              f"{str(runner.kv_dtype).split('.')[-1]}.\n\n{body}\n")
+              f"{'int8' if runner.kv_dtype == torch.uint8 else str(runner.kv_dtype).split('.')[-1]}.\n\n{body}\n")
     print(report)
     if a.out:
         write_section(a.out, head, report)

@@ -1,7 +1,7 @@
 """Hot-path variants side by side, in one process: the elementwise work per layer in PyTorch
 ops vs the C++ fused ops, the GGUF file's blocks vs weights dequantized at load (`--quantized-weights off`),
 the C++ panel GEMM vs oneDNN for the float32 products, float32 vs bfloat16 matrix products (`--matmul-dtype bfloat16`),
-float32 vs float16 / bfloat16 KV cache (`--kv-cache-dtype`), integer dot products on the GGUF blocks (`--matmul-dtype
+float32 vs float16 / bfloat16 / int8 KV cache (`--kv-cache-dtype`), integer dot products on the GGUF blocks (`--matmul-dtype
 int16 / int8`), with each variant's output quality against float32 (products and cache).
 
     python -m batchserve.bench.variants --out BENCHMARKS.md      # about 5 minutes, quiet machine
@@ -107,10 +107,12 @@ VARIANTS = {  # name -> LLM options (the fp32 reference first: everything is com
     "fp32, fused ops, oneDNN matmul": {"linear_backend": "onednn", **KV32},
     "fp32 + fp16 KV cache": {**FP32, "kv_cache_dtype": "float16"},
     "fp32 + bf16 KV cache": {**FP32, "kv_cache_dtype": "bfloat16"},
+    "fp32 + int8 KV cache": {**FP32, "kv_cache_dtype": "int8"},
     "bf16 matmul": {"matmul_dtype": "bfloat16", **KV32},
     "bf16 matmul + bf16 KV cache": {"matmul_dtype": "bfloat16", "kv_cache_dtype": "bfloat16"},
     "int16 matmul (GGUF blocks x int16 activations), fp32 KV cache": {"matmul_dtype": "int16", **KV32},
     DEFAULT: {"matmul_dtype": "int16", "kv_cache_dtype": "float16"},
+    "int16 matmul + int8 KV cache": {"matmul_dtype": "int16", "kv_cache_dtype": "int8"},
     "int8 matmul (GGUF blocks x int8 activations), fp32 KV cache": {"matmul_dtype": "int8", **KV32},
     "int8 matmul + fp16 KV cache": {"matmul_dtype": "int8", "kv_cache_dtype": "float16"},
 }
@@ -143,10 +145,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from batchserve.llm import LLM
 
-    # ~32K tokens of KV each (1.5 GB at 4 bytes an element, 0.75 GB at 2), so every engine schedules
-    # the workload (~22K tokens) alike and eleven fit in 24 GB side by side
+    # ~32K tokens of KV each (1.5 GB at 4 bytes an element, 0.75 GB at 2, 0.4 at int8's 1 + scales), so
+    # every engine schedules the workload (~22K tokens) alike and thirteen fit in 24 GB side by side
     engine_kw = dict(max_num_seqs=64, max_num_batched_tokens=2048)
-    llms = {name: LLM(**engine_kw, **kw, kv_cache_gb=1.5 if kw.get("kv_cache_dtype", "float32") == "float32" else 0.75)
+    gb = {"float32": 1.5, "float16": 0.75, "bfloat16": 0.75, "int8": 0.4}
+    llms = {name: LLM(**engine_kw, **kw, kv_cache_gb=gb[kw.get("kv_cache_dtype", "float32")])
             for name, kw in VARIANTS.items()}
     base = next(iter(llms.values()))
     unfused = ModelRunner(copy.copy(load_model(ModelConfig())), ModelConfig(matmul_dtype="float32"),
@@ -161,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     def own_ceiling(k: str, b: int, c: int) -> float:
         """The ceiling of the variant's own dtypes: bf16 / int8 / int16 matmul rate, weight bytes, KV bytes."""
         kw = VARIANTS.get(k, {})
-        kv = 2 if kw.get("kv_cache_dtype") in ("bfloat16", "float16") else 4
+        kv = {"bfloat16": 2, "float16": 2, "int8": 1 + 4 / cfg.head_dim}.get(kw.get("kv_cache_dtype"), 4)
         if kw.get("matmul_dtype") == "bfloat16":
             return decode_ceiling(cfg, mach16, b, c, elem=kv, w_elem=2)
         model = runners[k].model

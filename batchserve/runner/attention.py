@@ -190,7 +190,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """q: [T, n_h, hd]; k, v: [T, n_kv, hd] for the new tokens. Writes k, v into the cache
     (unless `stored`: the caller already did), then returns the attention output [T, n_h, hd]."""
     T, n_h, hd = q.shape
-    if not stored:
+    if not stored and k_cache.dtype == torch.uint8:  # int8 cache: quantized by the kernel (cpu_math.h)
+        meta.kernel.kv_int8_store(k_cache, v_cache, k, v, meta.slot_mapping)
+    elif not stored:
         rows = _rows(meta, "new", meta.slot_mapping, k_cache)
         scatter_rows(k_cache, rows, to_cache_dtype(k, k_cache.dtype))
         scatter_rows(v_cache, rows, to_cache_dtype(v, v_cache.dtype))

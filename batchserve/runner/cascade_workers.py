@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import time
 import weakref
@@ -58,16 +59,18 @@ def _worker(conn, config: EngineConfig, staging: torch.Tensor, threads: int) -> 
 
 
 def _copy_blocks(kv_caches: list, staging: torch.Tensor, blocks: torch.Tensor, export: bool) -> None:
-    """Pool blocks <-> staging[:n], every layer's K and V (a cache is [blocks, n_kv, bs, hd])."""
+    """Pool blocks <-> staging[:n], every layer's K and V (a cache is [blocks, n_kv, bs, row]; a
+    staging row holds a block's K elements, then its V elements)."""
     n = len(blocks)
     for layer, (k, v) in enumerate(kv_caches):
-        view = staging[:n, layer]  # [n, 2, n_kv, bs, hd]
+        view = staging[:n, layer]  # [n, K elements + V elements]
+        kn = k[0].numel()
         if export:
-            view[:, 0].copy_(k[blocks])
-            view[:, 1].copy_(v[blocks])
+            view[:, :kn].copy_(k[blocks].view(n, -1))
+            view[:, kn:].copy_(v[blocks].view(n, -1))
         else:
-            k.index_copy_(0, blocks, view[:, 0])
-            v.index_copy_(0, blocks, view[:, 1])
+            k.index_copy_(0, blocks, view[:, :kn].view(n, *k.shape[1:]))
+            v.index_copy_(0, blocks, view[:, kn:].view(n, *v.shape[1:]))
 
 
 class CascadeWorkersExecutor:
@@ -75,7 +78,7 @@ class CascadeWorkersExecutor:
 
     def __init__(self, config: EngineConfig) -> None:
         from batchserve.runner.loader import load_model
-        from batchserve.runner.model_runner import resolve_kv_cache_dtype
+        from batchserve.runner.model_runner import kv_block_shapes, resolve_kv_cache_dtype
 
         # the parent needs only the model's shape: one throwaway load (weights are dropped)
         loaded = load_model(config.model)
@@ -84,8 +87,8 @@ class CascadeWorkersExecutor:
         c = self.cfg
         self.block_size = config.cache.block_size
         dtype = resolve_kv_cache_dtype(config.model, config.cache)  # what the workers' caches hold
-        self._staging = torch.zeros((STAGING_BLOCKS, c.num_layers, 2, c.num_kv_heads, self.block_size, c.head_dim),
-                                    dtype=dtype).share_memory_()
+        per_layer = sum(math.prod(shape) for shape in kv_block_shapes(c, self.block_size, dtype))  # K + V
+        self._staging = torch.zeros((STAGING_BLOCKS, c.num_layers, per_layer), dtype=dtype).share_memory_()
         self.block_bytes = self._staging[0].numel() * self._staging.element_size()
         ctx = mp.get_context("spawn")
         threads = config.model.num_threads or max(1, (os.cpu_count() or 2) // 2)

@@ -19,9 +19,19 @@ from batchserve.runner.sampler import sample
 log = logging.getLogger(__name__)
 
 
+def kv_block_shapes(loaded_cfg, block_size: int, dtype: torch.dtype) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """One block of one layer's K and V caches, each [n_kv, block_size, row]: row = head_dim
+    elements; for the int8 cache (uint8) head_dim bytes plus float32 scales, one per 16 elements
+    for K and one per row for V (the kernels' layout, runner/csrc/cpu_math.h)."""
+    hd = loaded_cfg.head_dim
+    k_row, v_row = (hd + hd // 4, hd + 4) if dtype == torch.uint8 else (hd, hd)
+    return (loaded_cfg.num_kv_heads, block_size, k_row), (loaded_cfg.num_kv_heads, block_size, v_row)
+
+
 def kv_bytes_per_block(loaded_cfg, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.tensor([], dtype=dtype).element_size()
-    return 2 * loaded_cfg.num_layers * block_size * loaded_cfg.num_kv_heads * loaded_cfg.head_dim * elem
+    k, v = kv_block_shapes(loaded_cfg, block_size, dtype)
+    return loaded_cfg.num_layers * (k[0] * k[1] * k[2] + v[0] * v[1] * v[2]) * elem
 
 
 def cpp_attention_wanted(model_cfg: ModelConfig, weight_dtype: torch.dtype) -> bool:
@@ -39,10 +49,27 @@ def resolve_kv_cache_dtype(model_cfg: ModelConfig, cache_cfg: CacheConfig) -> to
     default. Values past float16's range are stored as +-65504, not infinity. Elsewhere `auto`
     is the model's dtype; `float32` keeps the exact cache."""
     name = kv_cache_dtype_name(model_cfg, cache_cfg)
+    if name == "int8":
+        return _int8_kv_dtype(model_cfg, cache_cfg)
     if (cache_cfg.kv_cache_dtype == "auto" and cpp_attention_wanted(model_cfg, getattr(torch, model_cfg.dtype))
             and paged_attention_ext() is not None and fused_ops_ext() is not None):
         return torch.float16
     return getattr(torch, name)
+
+
+def _int8_kv_dtype(model_cfg: ModelConfig, cache_cfg: CacheConfig) -> torch.dtype:
+    """torch.uint8, the int8 cache's storage (a byte per value plus float32 scales, kv_block_shapes),
+    after checking that its kernels run here; else a ValueError naming what is missing."""
+    why = None
+    if cache_cfg.block_size % 16:
+        why = f"needs block_size a multiple of 16, got {cache_cfg.block_size}"
+    elif not cpp_attention_wanted(model_cfg, getattr(torch, model_cfg.dtype)):
+        why = "needs the C++ attention kernels: a float32 model (--dtype float32) on the CPU, attention_backend auto or cpp"
+    elif paged_attention_ext() is None or fused_ops_ext() is None:
+        why = "needs the C++ attention kernels, which did not build here (see the log)"
+    if why:
+        raise ValueError(f"kv_cache_dtype=int8 {why}")
+    return torch.uint8
 
 
 def resolve_matmul_dtype(model_cfg: ModelConfig, loaded: LoadedModel) -> torch.dtype | None:
@@ -90,13 +117,17 @@ class ModelRunner:
         per_block = kv_bytes_per_block(self.cfg, self.block_size, self.kv_dtype)
         self.num_blocks = cache_cfg.num_blocks or max(1, int(cache_cfg.kv_cache_gb * 2**30) // per_block)
         slots = self.num_blocks * self.block_size
-        shape = (self.num_blocks, self.cfg.num_kv_heads, self.block_size, self.cfg.head_dim)  # layout: attention.py
-        self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
+        if self.kv_dtype == torch.uint8 and not self.kernel.prefill_supported(self.cfg.head_dim):
+            raise ValueError(f"kv_cache_dtype=int8: head_dim {self.cfg.head_dim} is not supported by the prompt "
+                             "kernel here (64 or 128 on an AVX-512 CPU)")
+        k_shape, v_shape = kv_block_shapes(self.cfg, self.block_size, self.kv_dtype)  # layout: attention.py
+        self.kv_caches = [(torch.zeros((self.num_blocks, *k_shape), dtype=self.kv_dtype, device=self.device),
+                           torch.zeros((self.num_blocks, *v_shape), dtype=self.kv_dtype, device=self.device))
                           for _ in range(self.cfg.num_layers)]
         self.generator = torch.Generator(device=self.device).manual_seed(model_cfg.seed)
         log.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s%s)", self.num_blocks,
-                 self.block_size, slots, self.num_blocks * per_block / 2**30, str(self.kv_dtype).split(".")[-1],
+                 self.block_size, slots, self.num_blocks * per_block / 2**30,
+                 "int8" if self.kv_dtype == torch.uint8 else str(self.kv_dtype).split(".")[-1],
                  "; --kv-cache-dtype float32 for an exact float32 cache"
                  if cache_cfg.kv_cache_dtype == "auto" and self.kv_dtype == torch.float16 else "")
 
@@ -142,6 +173,11 @@ class ModelRunner:
 
     def export_kv(self, block_table: list[int], n: int) -> torch.Tensor:
         """The K/V of a request's first `n` positions, as one CPU tensor [layers, 2, n, kv_heads, head_dim]."""
+        if self.kv_dtype == torch.uint8:  # dequantized: [blocks, n_kv, bs, hd] -> positions
+            blocks = torch.tensor(block_table[:(n + self.block_size - 1) // self.block_size], dtype=torch.long)
+            return torch.stack([torch.stack([x.transpose(1, 2).reshape(-1, *x.shape[1::2])[:n]  # [n, n_kv, hd]
+                                             for x in self.kernel.kv_int8_load(k, v, blocks)])
+                                for k, v in self.kv_caches])
         slots = self._slots(block_table, n)
         with torch.inference_mode():
             rows = slot_rows(slots, self.cfg.num_kv_heads, self.block_size)
@@ -155,6 +191,10 @@ class ModelRunner:
         if tuple(kv.shape) != expect:
             raise ValueError(f"KV hand-off: shape {tuple(kv.shape)} does not match this model's {expect}")
         slots = self._slots(block_table, n)
+        if self.kv_dtype == torch.uint8:  # quantized as the kernels store a token's rows
+            for layer, (k, v) in enumerate(self.kv_caches):
+                self.kernel.kv_int8_store(k, v, kv[layer, 0], kv[layer, 1], slots)
+            return
         kv = to_cache_dtype(kv.to(self.device), self.kv_dtype)
         rows = slot_rows(slots, self.cfg.num_kv_heads, self.block_size)
         with torch.inference_mode():

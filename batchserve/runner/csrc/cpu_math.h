@@ -3,8 +3,10 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -152,5 +154,79 @@ inline __m512 exp_nonpos16(__m512 x) {
   return _mm512_scalef_ps(p, k);
 }
 #endif
+
+// ---- int8 KV cache (--kv-cache-dtype int8) ----------------------------------------------------
+// Per block and kv head a layer's cache holds a region of block_size rows: their int8 values
+// (block_size * hd bytes), then their float32 scales (value = scale * q, q in [-127, 127], scale =
+// the largest |value| it covers / 127). V: one scale per row, so V is uint8 [blocks, nkv,
+// block_size, hd + 4]; its values in tiles of 16 tokens, [4][hd][4] (groups of 4 tokens, each
+// element's 4 values together), so vpdpbusd against 4 tokens' broadcast weights adds them into
+// 16 elements' lanes at once. K: one scale per 16 elements of a row (RoPE'd keys have a few
+// large channels; a scale per row left the rest too coarse: 7 of 24 greedy continuations equal
+// to float32's against 20 of 24 with these groups, BENCHMARKS.md), so K is [blocks, nkv,
+// block_size, hd + hd / 4]. K is stored in tiles of 16 tokens, the values [hd / 4][16][4] as q +
+// 128 (unsigned): four consecutive elements of 16 tokens fill one 64-byte vector, so vpdpbusd
+// against four broadcast query elements scores 16 tokens at once, with no horizontal sums; the
+// scales [hd / 16][16], one vector per group. block_size must be a multiple of 16, hd of 16.
+constexpr int64_t kI8Tile = 16;   // tokens per K tile
+constexpr int64_t kI8KGroup = 16;  // K elements per scale
+
+inline int64_t i8_k_row(int64_t hd) { return hd + hd / kI8KGroup * 4; }  // bytes per K row
+inline int64_t i8_v_row(int64_t hd) { return hd + 4; }
+
+// Where kv head h's region of block `block` starts, in a cache of `row`-byte rows.
+inline int64_t i8_region(int64_t block, int64_t h, int64_t nkv, int64_t bs, int64_t row) {
+  return (block * nkv + h) * bs * row;
+}
+
+inline int64_t i8_k_index(int64_t off, int64_t d, int64_t hd) {
+  return off / kI8Tile * kI8Tile * hd + (d / 4 * kI8Tile + off % kI8Tile) * 4 + d % 4;
+}
+inline int64_t i8_v_index(int64_t off, int64_t d, int64_t hd) {
+  return off / kI8Tile * kI8Tile * hd + ((off % kI8Tile / 4) * hd + d) * 4 + off % 4;
+}
+inline int64_t i8_k_scale_index(int64_t off, int64_t group, int64_t hd) {
+  return (off / kI8Tile * (hd / kI8KGroup) + group) * kI8Tile + off % kI8Tile;
+}
+
+template <typename P>
+inline auto i8_scales(P* region, int64_t bs, int64_t hd) {
+  using F = std::conditional_t<std::is_const<P>::value, const float, float>;
+  return reinterpret_cast<F*>(region + bs * hd);
+}
+
+// q = round(x / scale), scale = max |x| / 127 (all zero: scale 0, q 0).
+inline float i8_quantize(const float* x, int64_t n, int8_t* q) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  for (int64_t i = 0; i < n; ++i)
+    q[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(x[i] * inv))));
+  return amax / 127.f;
+}
+
+// Token `off`'s row of one kv head into its region, and back to float32.
+inline void i8_store_k(uint8_t* region, int64_t off, int64_t bs, int64_t hd, const float* x) {
+  int8_t q[kI8KGroup];
+  for (int64_t g = 0; g < hd / kI8KGroup; ++g) {
+    i8_scales(region, bs, hd)[i8_k_scale_index(off, g, hd)] = i8_quantize(x + g * kI8KGroup, kI8KGroup, q);
+    for (int64_t i = 0; i < kI8KGroup; ++i)
+      region[i8_k_index(off, g * kI8KGroup + i, hd)] = static_cast<uint8_t>(q[i] + 128);
+  }
+}
+inline void i8_store_v(uint8_t* region, int64_t off, int64_t bs, int64_t hd, const float* x) {
+  int8_t q[512];
+  i8_scales(region, bs, hd)[off] = i8_quantize(x, hd, q);
+  for (int64_t d = 0; d < hd; ++d) region[i8_v_index(off, d, hd)] = static_cast<uint8_t>(q[d]);
+}
+inline void i8_load_k(const uint8_t* region, int64_t off, int64_t bs, int64_t hd, float* out) {
+  for (int64_t d = 0; d < hd; ++d)
+    out[d] = i8_scales(region, bs, hd)[i8_k_scale_index(off, d / kI8KGroup, hd)] *
+             static_cast<float>(static_cast<int>(region[i8_k_index(off, d, hd)]) - 128);
+}
+inline void i8_load_v(const uint8_t* region, int64_t off, int64_t bs, int64_t hd, float* out) {
+  const float s = i8_scales(region, bs, hd)[off];
+  for (int64_t d = 0; d < hd; ++d) out[d] = s * static_cast<float>(static_cast<int8_t>(region[i8_v_index(off, d, hd)]));
+}
 
 }  // namespace batchserve

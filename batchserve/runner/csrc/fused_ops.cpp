@@ -144,9 +144,17 @@ void rope_store_rows(const In* qkv, const float* cos, const float* sin, const in
       float* vo = dst + (nh + nkv) * hd;
       for (int64_t i = 0; i < row; ++i) vo[i] = load(v[i]);
       for (int64_t h = 0; h < nkv; ++h) {  // slot = block * bs + offset
-        const int64_t at = batchserve::kv_row(slots[t] / bs, slots[t] % bs, h, nkv, bs) * hd;
-        store_row(kc + at, dst + (nh + h) * hd, hd, stream);
-        store_row(vc + at, vo + h * hd, hd, stream);
+        if constexpr (std::is_same<C, uint8_t>::value) {  // int8 cache (cpu_math.h)
+          const int64_t blk = slots[t] / bs, off = slots[t] % bs;
+          batchserve::i8_store_k(kc + batchserve::i8_region(blk, h, nkv, bs, batchserve::i8_k_row(hd)), off, bs, hd,
+                                 dst + (nh + h) * hd);
+          batchserve::i8_store_v(vc + batchserve::i8_region(blk, h, nkv, bs, batchserve::i8_v_row(hd)), off, bs, hd,
+                                 vo + h * hd);
+        } else {
+          const int64_t at = batchserve::kv_row(slots[t] / bs, slots[t] % bs, h, nkv, bs) * hd;
+          store_row(kc + at, dst + (nh + h) * hd, hd, stream);
+          store_row(vc + at, vo + h * hd, hd, stream);
+        }
       }
     }
 #if defined(__AVX512F__)
@@ -170,10 +178,17 @@ torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
   const int64_t hd = qkv.size(1) / (nh + 2 * nkv);
   TORCH_CHECK(hd % 2 == 0, "rope_store: head_dim must be even");
   const auto cdt = k_cache.scalar_type();
-  TORCH_CHECK((cdt == torch::kFloat32 || cdt == torch::kBFloat16 || cdt == torch::kHalf) && v_cache.scalar_type() == cdt &&
-                  k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 && k_cache.size(1) == nkv &&
-                  k_cache.size(3) == hd && v_cache.sizes() == k_cache.sizes(),
-              "rope_store: caches must be contiguous [blocks, nkv, block_size, hd], both float32, bfloat16 or float16");
+  const bool i8 = cdt == torch::kUInt8;  // int8 cache: rows of bytes and scales (cpu_math.h)
+  TORCH_CHECK((cdt == torch::kFloat32 || cdt == torch::kBFloat16 || cdt == torch::kHalf || i8) &&
+                  v_cache.scalar_type() == cdt && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.dim() == 4 && k_cache.size(1) == nkv && v_cache.dim() == 4 &&
+                  v_cache.sizes().slice(0, 3) == k_cache.sizes().slice(0, 3) &&
+                  k_cache.size(3) == (i8 ? batchserve::i8_k_row(hd) : hd) &&
+                  v_cache.size(3) == (i8 ? batchserve::i8_v_row(hd) : hd),
+              "rope_store: caches must be contiguous [blocks, nkv, block_size, hd], both float32, bfloat16 or float16 "
+              "(int8: uint8, K [blocks, nkv, block_size, hd + hd / 4], V [blocks, nkv, block_size, hd + 4])");
+  TORCH_CHECK(!i8 || (k_cache.size(2) % batchserve::kI8Tile == 0 && hd % batchserve::kI8KGroup == 0),
+              "rope_store: an int8 cache needs block_size and head_dim multiples of 16");
   cos = cos.contiguous().to(torch::kFloat32);
   sin = sin.contiguous().to(torch::kFloat32);
   slots = slots.contiguous();
@@ -187,7 +202,10 @@ torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
   const float* s = sin.data_ptr<float>();
   float* o = out.data_ptr<float>();
   auto with_cache = [&](const auto* in) {
-    if (cdt == torch::kBFloat16)
+    if (i8)
+      rope_store_rows(in, c, s, sp, k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<uint8_t>(), o, T, nh, nkv, hd, bs,
+                      stream);
+    else if (cdt == torch::kBFloat16)
       rope_store_rows(in, c, s, sp, static_cast<uint16_t*>(k_cache.data_ptr()),
                       static_cast<uint16_t*>(v_cache.data_ptr()), o, T, nh, nkv, hd, bs, stream);
     else if (cdt == torch::kHalf)

@@ -21,11 +21,16 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <unordered_map>
 #include <vector>
 
 #include "cpu_math.h"
 
 namespace {
+
+// Whether paged_decode takes the int8 cache's VNNI kernel where it built (tests and benchmarks
+// turn it off to run the dequantizing path).
+bool i8_fast_path = true;
 
 // bfloat16 cache elements are handled as their raw 16 bits: a bf16 value is the top half of the
 // fp32 with the same sign, exponent and leading mantissa bits, so widening is exact.
@@ -396,11 +401,12 @@ struct Item {
   int64_t b, p0, p1, part;
 };
 
-template <typename T>
-void decode_avx512(AttendFn<T> attend_fn, const float* qp, const T* kp, const T* vp, const int64_t* bt,
-                   const int64_t* lens, float* op, int64_t B, int64_t nh, int64_t hd, int64_t nkv, int64_t maxb,
-                   int64_t block_size, float sc) {
-  const int64_t g = nh / nkv;
+// The decode driver: cuts the batch into items (below), runs them on the threads, merges the
+// parts of split sequences. Each worker builds its own Ctx from `args`; ctx.run(b, p0, p1, st)
+// attends positions [p0, p1) of sequence b into st (acc in the lane order `lane` gives).
+template <typename Ctx, typename Args>
+void decode_items(const Args& args, const int64_t* lens, float* op, int64_t B, int64_t nh, int64_t hd,
+                  const std::vector<int64_t>& lane) {
   // Chunk length: whole sequences when there are enough of them to keep every thread busy,
   // else long contexts are cut so each thread gets a few pieces (a multiple of the tile, and
   // not so short that the merge and thread wake-up cost more than they save).
@@ -428,22 +434,16 @@ void decode_avx512(AttendFn<T> attend_fn, const float* qp, const T* kp, const T*
   // Partial results of split sequences: per part and head, max, sum and unnormalised output.
   std::vector<float> pm(nparts_total * nh), pl(nparts_total * nh), pacc(nparts_total * nh * hd);
 
-  std::vector<int64_t> lane(hd);
-  for (int64_t d = 0; d < hd; ++d) lane[d] = lane_of<T>(d, hd);
-
   // Items are handed out one at a time (dynamic), so sequences of different lengths balance.
   std::atomic<int64_t> next{0};
   const int64_t nitems = static_cast<int64_t>(items.size());
   auto worker = [&](int64_t, int64_t) {
     State st;
-    std::vector<float> qs(nh * hd);
+    Ctx ctx(args);
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < nitems;) {
       const Item it = items[i];
-      const float* qb = qp + it.b * nh * hd;
-      for (int64_t qh = 0; qh < nh; ++qh)  // in the lane order of the cache loads
-        for (int64_t d = 0; d < hd; ++d) qs[qh * hd + lane[d]] = qb[qh * hd + d] * sc;
       st.reset(nh, hd);
-      attend_fn(qs.data(), kp, vp, bt + it.b * maxb, block_size, nkv, g, it.p0, it.p1, st);
+      ctx.run(it.b, it.p0, it.p1, st);
       for (int64_t qh = 0; qh < nh; ++qh) {
         const float l = _mm512_reduce_add_ps(_mm512_loadu_ps(st.l.data() + qh * kTile));
         const float* a = st.acc.data() + qh * hd;
@@ -486,6 +486,253 @@ void decode_avx512(AttendFn<T> attend_fn, const float* qp, const T* kp, const T*
     }
   }
 }
+
+// The float / bfloat16 / float16 caches: q scaled and stored in the lane order of the cache loads.
+template <typename T>
+struct DecodeArgs {
+  AttendFn<T> attend_fn;
+  const float* qp;
+  const T *kp, *vp;
+  const int64_t* bt;
+  int64_t nh, hd, nkv, maxb, block_size;
+  float sc;
+  const std::vector<int64_t>* lane;
+};
+
+template <typename T>
+struct DecodeCtx {
+  const DecodeArgs<T>& a;
+  std::vector<float> qs;
+  explicit DecodeCtx(const DecodeArgs<T>& args) : a(args), qs(args.nh * args.hd) {}
+  void run(int64_t b, int64_t p0, int64_t p1, State& st) {
+    const float* qb = a.qp + b * a.nh * a.hd;
+    const std::vector<int64_t>& lane = *a.lane;
+    for (int64_t qh = 0; qh < a.nh; ++qh)
+      for (int64_t d = 0; d < a.hd; ++d) qs[qh * a.hd + lane[d]] = qb[qh * a.hd + d] * a.sc;
+    a.attend_fn(qs.data(), a.kp, a.vp, a.bt + b * a.maxb, a.block_size, a.nkv, a.nh / a.nkv, p0, p1, st);
+  }
+};
+
+template <typename T>
+void decode_avx512(AttendFn<T> attend_fn, const float* qp, const T* kp, const T* vp, const int64_t* bt,
+                   const int64_t* lens, float* op, int64_t B, int64_t nh, int64_t hd, int64_t nkv, int64_t maxb,
+                   int64_t block_size, float sc) {
+  std::vector<int64_t> lane(hd);
+  for (int64_t d = 0; d < hd; ++d) lane[d] = lane_of<T>(d, hd);
+  const DecodeArgs<T> args{attend_fn, qp, kp, vp, bt, nh, hd, nkv, maxb, block_size, sc, &lane};
+  decode_items<DecodeCtx<T>>(args, lens, op, B, nh, hd, lane);
+}
+
+#if defined(__AVX512VNNI__)
+// ---- int8 cache (layout in cpu_math.h) --------------------------------------------------------
+// Scores: each query head's scaled q is quantized to int8 twice over, q ~ s * (hi + lo / 254)
+// (hi = round(q / s), lo = the rounding left, x 254), so the scores keep ~15 bits of q and only
+// K's own rounding is lost. vpdpbusd multiplies 4 bytes of 16 tokens' K (stored + 128, unsigned)
+// by 4 broadcast bytes of hi (then lo) and adds into the 16 tokens' lanes: a tile's 16 scores of
+// a head come out of hd / 4 x 2 instructions, with no widening and no horizontal sums. Each K
+// group's sums lose the + 128 (128 x the group's sum of q) and take the 16 tokens' scales of that
+// group. V rows are widened to fp32 (exactly) and accumulated as in the 16-bit kernel, each
+// token's weight times its V scale.
+constexpr float kLoScale = 254.f;
+
+struct QI8 {
+  std::vector<int32_t> hi, lo;  // [nh][hd / 4], 4 int8 packed per word
+  std::vector<float> scale, corr;  // per head: s; per head and K group: 128 * (sum(hi) + sum(lo) / 254)
+  // One sequence's heads, 16 elements (one K group) per vector: a scalar loop here cost ~5 us a
+  // sequence, as much as attending 64 tokens.
+  void set(const float* qb, int64_t nh, int64_t hd, float sc) {
+    static_assert(batchserve::kI8KGroup == 16, "a K group is one vector");
+    const int64_t nv = hd / 16;
+    hi.resize(nh * hd / 4);
+    lo.resize(nh * hd / 4);
+    scale.resize(nh);
+    corr.resize(nh * nv);
+    const __m512 lim = _mm512_set1_ps(127.f), abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+    for (int64_t h = 0; h < nh; ++h) {
+      const float* x = qb + h * hd;
+      __m512 amax = _mm512_setzero_ps();
+      for (int64_t v = 0; v < nv; ++v) amax = _mm512_max_ps(amax, _mm512_and_ps(_mm512_loadu_ps(x + 16 * v), abs_mask));
+      const float m = _mm512_reduce_max_ps(amax) * sc;
+      const float s = m / 127.f, inv = m > 0.f ? 127.f / m : 0.f;
+      const __m512 f = _mm512_set1_ps(sc * inv);
+      int8_t* ph = reinterpret_cast<int8_t*>(hi.data() + h * hd / 4);
+      int8_t* pl = reinterpret_cast<int8_t*>(lo.data() + h * hd / 4);
+      for (int64_t v = 0; v < nv; ++v) {
+        const __m512 y = _mm512_min_ps(lim, _mm512_max_ps(-lim, _mm512_mul_ps(_mm512_loadu_ps(x + 16 * v), f)));
+        const __m512i qh = _mm512_cvtps_epi32(y);  // to nearest, ties to even
+        const __m512i ql = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(y, _mm512_cvtepi32_ps(qh)),
+                                                            _mm512_set1_ps(kLoScale)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(ph + 16 * v), _mm512_cvtepi32_epi8(qh));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(pl + 16 * v), _mm512_cvtepi32_epi8(ql));
+        corr[h * nv + v] = 128.f * (static_cast<float>(_mm512_reduce_add_epi32(qh)) +
+                                    static_cast<float>(_mm512_reduce_add_epi32(ql)) / kLoScale);
+      }
+      scale[h] = s;
+    }
+  }
+};
+
+// One 16-token tile of one kv head for G query heads sharing it (their quantized q at qhi/qlo,
+// qscale per head and corr per head and K group, running max m, sums l and acc as in tile_heads).
+// kt, vt: the tile's K and V values; ks: its K scales, a vector of 16 tokens per group; vs: its
+// 16 V scales. Lanes past `valid` hold whatever the block held: masked out of the scores and
+// weighted 0.
+template <int NV, int G>
+inline void tile_i8(const int32_t* qhi, const int32_t* qlo, const float* qscale, const float* corr,
+                    const uint8_t* kt, const float* ks, const int8_t* vt, const float* vs, __mmask16 valid,
+                    float* m, float* l, float* acc) {
+  constexpr int HD = NV * 16, C = HD / 4, NG = HD / batchserve::kI8KGroup, CG = batchserve::kI8KGroup / 4;
+  __m512 x[G];  // the 16 tokens' scores of each head, summed group by group
+  for (int j = 0; j < G; ++j) x[j] = _mm512_setzero_ps();
+  for (int g = 0; g < NG; ++g) {
+    __m512i ah[G], al[G];
+    for (int j = 0; j < G; ++j) ah[j] = al[j] = _mm512_setzero_si512();
+    for (int c = g * CG; c < (g + 1) * CG; ++c) {
+      const __m512i kv = _mm512_loadu_si512(kt + 64 * c);
+      for (int j = 0; j < G; ++j) {
+        ah[j] = _mm512_dpbusd_epi32(ah[j], kv, _mm512_set1_epi32(qhi[j * C + c]));
+        al[j] = _mm512_dpbusd_epi32(al[j], kv, _mm512_set1_epi32(qlo[j * C + c]));
+      }
+    }
+    const __m512 kscale = _mm512_loadu_ps(ks + g * kTile);
+    for (int j = 0; j < G; ++j) {
+      const __m512 y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(al[j]), _mm512_set1_ps(1.f / kLoScale),
+                                       _mm512_cvtepi32_ps(ah[j]));
+      x[j] = _mm512_fmadd_ps(_mm512_sub_ps(y, _mm512_set1_ps(corr[j * NG + g])), kscale, x[j]);
+    }
+  }
+  // Softmax weights, times the V scales, as two bytes each against the tile's largest (w ~ wmax /
+  // 255 * (hi + lo / 255), ~16 bits), so P x V is integer dot products too: vpdpbusd multiplies 4
+  // tokens' weight bytes (broadcast) by their 4 values of 16 elements and adds into those lanes.
+  const __m512 vscale = _mm512_loadu_ps(vs);
+  alignas(16) uint32_t whi[G][4], wlo[G][4];
+  float wstep[G], alpha[G];
+  for (int j = 0; j < G; ++j) {
+    const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid,
+                                        _mm512_mul_ps(x[j], _mm512_set1_ps(qscale[j])));  // lanes past the end: garbage
+    const float tmax = _mm512_reduce_max_ps(s);
+    __m512 lsum = _mm512_loadu_ps(l + j * kTile);
+    alpha[j] = 1.f;
+    if (tmax > m[j]) {  // a new running max rescales what was summed so far
+      alpha[j] = exp_nonpos(m[j] - tmax);
+      lsum = _mm512_mul_ps(lsum, _mm512_set1_ps(alpha[j]));
+      m[j] = tmax;
+    }
+    const __m512 pr = _mm512_maskz_mov_ps(valid, exp_nonpos16(_mm512_sub_ps(s, _mm512_set1_ps(m[j]))));
+    _mm512_storeu_ps(l + j * kTile, _mm512_add_ps(lsum, pr));
+    const __m512 w = _mm512_maskz_mul_ps(valid, pr, vscale);
+    const float wmax = _mm512_reduce_max_ps(w);
+    wstep[j] = wmax / 255.f;
+    const __m512 y = _mm512_mul_ps(w, _mm512_set1_ps(wmax > 0.f ? 255.f / wmax : 0.f));  // [0, 255]
+    const __m512i h = _mm512_min_epi32(_mm512_cvttps_epi32(y), _mm512_set1_epi32(255));
+    const __m512i lo = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(y, _mm512_cvtepi32_ps(h)), _mm512_set1_ps(255.f)));
+    _mm_store_si128(reinterpret_cast<__m128i*>(whi[j]), _mm512_cvtepi32_epi8(h));
+    _mm_store_si128(reinterpret_cast<__m128i*>(wlo[j]), _mm512_cvtepi32_epi8(_mm512_min_epi32(lo, _mm512_set1_epi32(255))));
+  }
+  for (int dv = 0; dv < NV; ++dv) {
+    __m512i ah[G], al[G];
+    for (int j = 0; j < G; ++j) ah[j] = al[j] = _mm512_setzero_si512();
+    for (int grp = 0; grp < 4; ++grp) {
+      const __m512i vv = _mm512_loadu_si512(vt + (grp * HD + 16 * dv) * 4);
+      for (int j = 0; j < G; ++j) {
+        ah[j] = _mm512_dpbusd_epi32(ah[j], _mm512_set1_epi32(static_cast<int>(whi[j][grp])), vv);
+        al[j] = _mm512_dpbusd_epi32(al[j], _mm512_set1_epi32(static_cast<int>(wlo[j][grp])), vv);
+      }
+    }
+    for (int j = 0; j < G; ++j) {
+      const __m512 pv = _mm512_fmadd_ps(_mm512_cvtepi32_ps(al[j]), _mm512_set1_ps(1.f / 255.f), _mm512_cvtepi32_ps(ah[j]));
+      float* o = acc + j * HD + 16 * dv;
+      _mm512_storeu_ps(o, _mm512_fmadd_ps(pv, _mm512_set1_ps(wstep[j]),
+                                          _mm512_mul_ps(_mm512_loadu_ps(o), _mm512_set1_ps(alpha[j]))));
+    }
+  }
+}
+
+struct DecodeI8Args {
+  const float* qp;
+  const uint8_t *kp, *vp;
+  const int64_t* bt;
+  int64_t nh, hd, nkv, maxb, bs;
+  float sc;
+};
+
+// Positions [p0, p1) (p0 a multiple of 16, so each tile lies in one block) of one sequence.
+template <int NV>
+void attend_i8(const QI8& q, const DecodeI8Args& a, const int64_t* table, int64_t p0, int64_t p1, State& st) {
+  constexpr int HD = NV * 16, C = HD / 4, NG = HD / batchserve::kI8KGroup;
+  const int64_t bs = a.bs, nkv = a.nkv, g = a.nh / a.nkv;
+  const int64_t kreg = bs * batchserve::i8_k_row(HD), vreg = bs * batchserve::i8_v_row(HD);  // bytes per region
+  auto prefetch_tile = [&](int64_t p, int64_t h) {  // tile at position p, kv head h: values and scales
+    const int64_t blk = table[p / bs], off = p % bs;
+    const char* k = reinterpret_cast<const char*>(a.kp + (blk * nkv + h) * kreg);
+    const char* v = reinterpret_cast<const char*>(a.vp + (blk * nkv + h) * vreg);
+    for (int64_t o = 0; o < kTile * HD; o += 64) {
+      _mm_prefetch(k + off * HD + o, _MM_HINT_T0);
+      _mm_prefetch(v + off * HD + o, _MM_HINT_T0);
+    }
+    for (int64_t o = 0; o < kTile * NG * 4; o += 64) _mm_prefetch(k + bs * HD + off * NG * 4 + o, _MM_HINT_T0);
+    _mm_prefetch(v + bs * HD + off * 4, _MM_HINT_T0);
+  };
+  for (int64_t p = p0; p < p1; p += kTile) {
+    const int nvalid = static_cast<int>(std::min<int64_t>(kTile, p1 - p));
+    const __mmask16 valid = static_cast<__mmask16>((1u << nvalid) - 1u);
+    const int64_t blk = table[p / bs], off = p % bs;
+    for (int64_t h = 0; h < nkv; ++h) {
+      if (p + kTile < p1) prefetch_tile(p + kTile, h);
+      const uint8_t* kr = a.kp + (blk * nkv + h) * kreg;
+      const uint8_t* vr = a.vp + (blk * nkv + h) * vreg;
+      const uint8_t* kt = kr + off * HD;
+      const float* ks = batchserve::i8_scales(kr, bs, HD) + batchserve::i8_k_scale_index(off, 0, HD);
+      const int8_t* vt = reinterpret_cast<const int8_t*>(vr + off * HD);
+      const float* vs = batchserve::i8_scales(vr, bs, HD) + off;
+      for (int64_t j = 0; j < g; j += 4) {
+        const int64_t qh = h * g + j;
+        const int32_t* qhi = q.hi.data() + qh * C;
+        const int32_t* qlo = q.lo.data() + qh * C;
+        float* m = st.m.data() + qh;
+        float* l = st.l.data() + qh * kTile;
+        float* acc = st.acc.data() + qh * HD;
+        const float* qs = q.scale.data() + qh;
+        const float* qc = q.corr.data() + qh * NG;
+        switch (std::min<int64_t>(4, g - j)) {
+          case 1: tile_i8<NV, 1>(qhi, qlo, qs, qc, kt, ks, vt, vs, valid, m, l, acc); break;
+          case 2: tile_i8<NV, 2>(qhi, qlo, qs, qc, kt, ks, vt, vs, valid, m, l, acc); break;
+          case 3: tile_i8<NV, 3>(qhi, qlo, qs, qc, kt, ks, vt, vs, valid, m, l, acc); break;
+          default: tile_i8<NV, 4>(qhi, qlo, qs, qc, kt, ks, vt, vs, valid, m, l, acc); break;
+        }
+      }
+    }
+  }
+}
+
+using AttendI8Fn = void (*)(const QI8&, const DecodeI8Args&, const int64_t*, int64_t, int64_t, State&);
+
+AttendI8Fn attend_i8_for(int64_t hd) {
+  switch (hd / 16) {
+    case 1: return attend_i8<1>;
+    case 2: return attend_i8<2>;
+    case 3: return attend_i8<3>;
+    case 4: return attend_i8<4>;
+    case 5: return attend_i8<5>;
+    case 6: return attend_i8<6>;
+    case 7: return attend_i8<7>;
+    case 8: return attend_i8<8>;
+    default: return nullptr;
+  }
+}
+
+struct DecodeI8Ctx {
+  const DecodeI8Args& a;
+  AttendI8Fn fn;
+  QI8 q;
+  int64_t last_b = -1;
+  explicit DecodeI8Ctx(const DecodeI8Args& args) : a(args), fn(attend_i8_for(args.hd)) {}
+  void run(int64_t b, int64_t p0, int64_t p1, State& st) {
+    if (b != last_b) q.set(a.qp + b * a.nh * a.hd, a.nh, a.hd, a.sc), last_b = b;  // parts of one sequence share it
+    fn(q, a, a.bt + b * a.maxb, p0, p1, st);
+  }
+};
+#endif  // __AVX512VNNI__
 
 
 // ---- prefill: many queries per sequence ----------------------------------------------------
@@ -693,7 +940,97 @@ void prefill_avx512(const float* q, int64_t q_tok_stride, const T* kc, const T* 
 
 #endif  // __AVX512F__
 
+// Blocks of an int8 cache as float32 [n, nkv, bs, hd] (K and V).
+void i8_dequantize(const uint8_t* kc, const uint8_t* vc, const int64_t* blocks, int64_t n, int64_t nkv, int64_t bs,
+                   int64_t hd, float* ko, float* vo) {
+  at::parallel_for(0, n * nkv, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const uint8_t* k = kc + batchserve::i8_region(blocks[i / nkv], i % nkv, nkv, bs, batchserve::i8_k_row(hd));
+      const uint8_t* v = vc + batchserve::i8_region(blocks[i / nkv], i % nkv, nkv, bs, batchserve::i8_v_row(hd));
+      for (int64_t off = 0; off < bs; ++off) {
+        batchserve::i8_load_k(k, off, bs, hd, ko + (i * bs + off) * hd);
+        batchserve::i8_load_v(v, off, bs, hd, vo + (i * bs + off) * hd);
+      }
+    }
+  });
+}
+
+// The blocks that `tables` ([S, maxb]) reference within each row's first used[s] positions,
+// dequantized into float32 caches, and the tables renumbered to them: the float32 kernels then
+// run unchanged (prompt chunks, and decode where the int8 kernel does not build).
+struct Dequantized {
+  torch::Tensor k, v, tables;
+};
+
+Dequantized dequantize_tables(const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& tables,
+                              const std::vector<int64_t>& used, int64_t hd) {
+  const int64_t S = tables.size(0), maxb = tables.size(1), nkv = k_cache.size(1), bs = k_cache.size(2);
+  const int64_t nblocks = k_cache.size(0);
+  const int64_t* tb = tables.data_ptr<int64_t>();
+  auto remapped = torch::zeros_like(tables);
+  int64_t* rt = remapped.data_ptr<int64_t>();
+  std::unordered_map<int64_t, int64_t> index;
+  std::vector<int64_t> blocks;
+  for (int64_t r = 0; r < S; ++r)
+    for (int64_t j = 0; j < std::min(maxb, (used[r] + bs - 1) / bs); ++j) {
+      const int64_t b = tb[r * maxb + j];
+      TORCH_CHECK(b >= 0 && b < nblocks, "int8 KV cache: block ", b, " out of range");
+      auto [it, fresh] = index.emplace(b, static_cast<int64_t>(blocks.size()));
+      if (fresh) blocks.push_back(b);
+      rt[r * maxb + j] = it->second;
+    }
+  const int64_t n = std::max<int64_t>(1, static_cast<int64_t>(blocks.size()));
+  if (blocks.empty()) blocks.push_back(0);
+  auto opts = torch::TensorOptions().dtype(torch::kFloat32);
+  auto k = torch::empty({n, nkv, bs, hd}, opts), v = torch::empty({n, nkv, bs, hd}, opts);
+  i8_dequantize(k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<uint8_t>(), blocks.data(), n, nkv, bs, hd,
+                k.data_ptr<float>(), v.data_ptr<float>());
+  return {k, v, remapped};
+}
+
+void check_i8_cache(const torch::Tensor& k_cache, const torch::Tensor& v_cache, int64_t hd, const char* fn) {
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.size(3) == batchserve::i8_k_row(hd) &&
+                  v_cache.size(3) == batchserve::i8_v_row(hd) && v_cache.sizes().slice(0, 3) == k_cache.sizes().slice(0, 3) &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.scalar_type() == torch::kUInt8,
+              fn, ": an int8 cache must be contiguous uint8, K [blocks, n_kv, block_size, head_dim + head_dim / 4] "
+              "and V [blocks, n_kv, block_size, head_dim + 4]; got ", k_cache.sizes(), " and ", v_cache.sizes());
+  TORCH_CHECK(k_cache.size(2) % batchserve::kI8Tile == 0 && hd % batchserve::kI8KGroup == 0, fn,
+              ": an int8 cache needs block_size and head_dim multiples of 16");
+}
+
 }  // namespace
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor block_tables, torch::Tensor ctx_lens, int64_t block_size, double scale);
+
+// paged_decode on an int8 cache: the VNNI kernel where it built (AVX512-VNNI, head_dim a
+// multiple of 16 up to 128), else the referenced blocks dequantized for the float32 kernel.
+torch::Tensor paged_decode_i8(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                              torch::Tensor ctx_lens, int64_t block_size, double scale) {
+  q = q.contiguous();
+  block_tables = block_tables.contiguous();
+  ctx_lens = ctx_lens.contiguous();
+  const int64_t B = q.size(0), nh = q.size(1), hd = q.size(2), nkv = k_cache.size(1);
+  check_i8_cache(k_cache, v_cache, hd, "paged_decode");
+  TORCH_CHECK(k_cache.size(2) == block_size, "paged_decode: block_size ", block_size, " does not match the cache's ",
+              k_cache.size(2));
+  TORCH_CHECK(nkv > 0 && nh % nkv == 0, "paged_decode: query heads not a multiple of kv heads");
+  const int64_t* lens = ctx_lens.data_ptr<int64_t>();
+#if defined(__AVX512VNNI__)
+  if (i8_fast_path && hd % 16 == 0 && attend_i8_for(hd) != nullptr) {
+    auto out = torch::empty_like(q);
+    const DecodeI8Args args{q.data_ptr<float>(), k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<uint8_t>(),
+                            block_tables.data_ptr<int64_t>(), nh, hd, nkv, block_tables.size(1), block_size,
+                            static_cast<float>(scale)};
+    std::vector<int64_t> lane(hd);
+    for (int64_t d = 0; d < hd; ++d) lane[d] = d;
+    decode_items<DecodeI8Ctx>(args, lens, out.data_ptr<float>(), B, nh, hd, lane);
+    return out;
+  }
+#endif
+  const Dequantized dq = dequantize_tables(k_cache, v_cache, block_tables, std::vector<int64_t>(lens, lens + B), hd);
+  return paged_decode(q, dq.k, dq.v, dq.tables, ctx_lens, block_size, scale);
+}
 
 // q: [B, n_h, hd]; k_cache, v_cache: [blocks, n_kv, block_size, hd] (slot s = block * block_size +
 // offset; kv head h's rows of a block together); block_tables: [B, max_blocks] int64;
@@ -704,6 +1041,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   TORCH_CHECK(q.scalar_type() == torch::kFloat32, "paged_decode: q must be float32, got ", q.scalar_type());
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "paged_decode: k_cache and v_cache must have the same dtype, got ",
               k_cache.scalar_type(), " and ", v_cache.scalar_type());
+  if (k_cache.scalar_type() == torch::kUInt8) return paged_decode_i8(q, k_cache, v_cache, block_tables, ctx_lens, block_size, scale);
   TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32 || k_cache.scalar_type() == torch::kBFloat16 ||
                   k_cache.scalar_type() == torch::kHalf,
               "paged_decode: KV cache must be float32, bfloat16 or float16, got ", k_cache.scalar_type());
@@ -771,12 +1109,23 @@ void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
               "paged_prefill: q and out need contiguous heads");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "paged_prefill: k_cache and v_cache must be contiguous and of one dtype");
+  block_tables = block_tables.contiguous();
+  spans = spans.contiguous();
+  if (k_cache.scalar_type() == torch::kUInt8) {  // int8: the chunks' blocks dequantized, then the float32 kernel
+    check_i8_cache(k_cache, v_cache, hd, "paged_prefill");
+    TORCH_CHECK(spans.dim() == 2 && spans.size(1) == 3 && spans.size(0) == block_tables.size(0),
+                "paged_prefill: spans must be [S, 3], one row per block table");
+    std::vector<int64_t> used(spans.size(0));
+    const int64_t* sp = spans.data_ptr<int64_t>();
+    for (int64_t r = 0; r < spans.size(0); ++r) used[r] = sp[r * 3 + 2] + sp[r * 3 + 1];
+    const Dequantized dq = dequantize_tables(k_cache, v_cache, block_tables, used, hd);
+    paged_prefill(q, dq.k, dq.v, dq.tables, spans, block_size, scale, out);
+    return;
+  }
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(2) == block_size && k_cache.size(3) == hd &&
                   v_cache.sizes() == k_cache.sizes(),
               "paged_prefill: caches must be [blocks, n_kv, block_size, head_dim], got ", k_cache.sizes());
   TORCH_CHECK(nkv > 0 && nh % nkv == 0, "paged_prefill: query heads not a multiple of kv heads");
-  block_tables = block_tables.contiguous();
-  spans = spans.contiguous();
   TORCH_CHECK(spans.dim() == 2 && spans.size(1) == 3 && spans.size(0) == block_tables.size(0),
               "paged_prefill: spans must be [S, 3], one row per block table");
 #if defined(__AVX512F__)
@@ -800,6 +1149,53 @@ void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
 #endif
 }
 
+// k, v: [T, n_kv, hd] float32 rows, written into an int8 cache (layout in cpu_math.h) at slots [T]
+// (block * block_size + offset).
+void kv_int8_store(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v, torch::Tensor slots) {
+  TORCH_CHECK(k_cache.scalar_type() == torch::kUInt8, "kv_int8_store: not an int8 (uint8) cache");
+  k = k.contiguous().to(torch::kFloat32);
+  v = v.contiguous().to(torch::kFloat32);
+  slots = slots.contiguous();
+  const int64_t T = k.size(0), nkv = k_cache.size(1), bs = k_cache.size(2), hd = v_cache.size(3) - 4;
+  check_i8_cache(k_cache, v_cache, hd, "kv_int8_store");
+  TORCH_CHECK(k.dim() == 3 && k.size(1) == nkv && k.size(2) == hd && v.sizes() == k.sizes(),
+              "kv_int8_store: k and v must be [T, n_kv, head_dim] matching the cache, got ", k.sizes());
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.numel() == T, "kv_int8_store: slots must be int64 [T]");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < k_cache.size(0) * bs, "kv_int8_store: slot out of range");
+  uint8_t* kc = k_cache.data_ptr<uint8_t>();
+  uint8_t* vc = v_cache.data_ptr<uint8_t>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t)
+      for (int64_t h = 0; h < nkv; ++h) {
+        const int64_t blk = sp[t] / bs, off = sp[t] % bs;
+        batchserve::i8_store_k(kc + batchserve::i8_region(blk, h, nkv, bs, batchserve::i8_k_row(hd)), off, bs, hd,
+                               kp + (t * nkv + h) * hd);
+        batchserve::i8_store_v(vc + batchserve::i8_region(blk, h, nkv, bs, batchserve::i8_v_row(hd)), off, bs, hd,
+                               vp + (t * nkv + h) * hd);
+      }
+  });
+}
+
+std::vector<torch::Tensor> kv_int8_load(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor blocks) {
+  TORCH_CHECK(k_cache.scalar_type() == torch::kUInt8, "kv_int8_load: not an int8 (uint8) cache");
+  const int64_t nkv = k_cache.size(1), bs = k_cache.size(2), hd = v_cache.size(3) - 4;
+  check_i8_cache(k_cache, v_cache, hd, "kv_int8_load");
+  blocks = blocks.contiguous();
+  TORCH_CHECK(blocks.scalar_type() == torch::kInt64 && blocks.dim() == 1, "kv_int8_load: blocks must be int64 [n]");
+  const int64_t n = blocks.numel();
+  const int64_t* bp = blocks.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(bp[i] >= 0 && bp[i] < k_cache.size(0), "kv_int8_load: block out of range");
+  auto opts = torch::TensorOptions().dtype(torch::kFloat32);
+  auto ko = torch::empty({n, nkv, bs, hd}, opts), vo = torch::empty({n, nkv, bs, hd}, opts);
+  i8_dequantize(k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<uint8_t>(), bp, n, nkv, bs, hd, ko.data_ptr<float>(),
+                vo.data_ptr<float>());
+  return {ko, vo};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The kernels run without the GIL (ATen needs none), like torch's own ops: the server's
   // event loop thread keeps answering while the engine thread is inside them.
@@ -807,4 +1203,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "decode attention over the paged KV cache (fp32 math; fp32, bf16 or fp16 cache)", nogil);
   m.def("prefill_supported", &prefill_supported, "whether paged_prefill runs for this head_dim here");
   m.def("paged_prefill", &paged_prefill, "causal attention of prompt chunks over the paged KV cache, into out", nogil);
+  m.def("kv_int8_store", &kv_int8_store, "write K/V rows [T, n_kv, hd] (float32) into an int8 cache at slots", nogil);
+  m.def("kv_int8_load", &kv_int8_load, "the blocks of an int8 cache as float32 (K, V), each [n, n_kv, block_size, hd]",
+        nogil);
+  m.def("set_int8_fast_path", [](bool on) { i8_fast_path = on; },
+        "use the int8 cache's VNNI decode kernel where it built (else dequantize for the float32 kernel)");
+  m.def("int8_fast_path", []() {
+#if defined(__AVX512VNNI__)
+    return i8_fast_path;
+#else
+    return false;
+#endif
+  }, "whether paged_decode runs the int8 cache's VNNI kernel here");
 }
