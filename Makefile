@@ -37,6 +37,7 @@ bench-engine: $(STAMP)
 	$(PY) -m batchserve.bench.foundation --out BENCHMARKS.md $(ARGS)
 	$(PY) -m batchserve.bench.foundation --matmul-dtype float32 --skip-hf --out BENCHMARKS.md
 	$(PY) -m batchserve.bench.foundation --matmul-dtype int8 --skip-hf --out BENCHMARKS.md
+	$(PY) -m batchserve.bench.foundation --kv-cache-dtype int8 --skip-hf --out BENCHMARKS.md
 	$(PY) -m batchserve.bench.policies --out BENCHMARKS.md
 	$(PY) -m batchserve.sim.fidelity --requests 60 --scale 0.5 --out BENCHMARKS.md
 	$(PY) -m batchserve.bench.matmul_variants --out BENCHMARKS.md
