@@ -1,7 +1,7 @@
 """The contracts between scheduler, executor and caller: plain data, no tensors."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from batchserve.request import SamplingParams
 
@@ -36,7 +36,10 @@ class ScheduledSeq:
 @dataclass
 class ScheduledBatch:
     """What one forward pass computes. `num_padding_tokens` is accounting for request-level
-    policies (tokens a padded batch would have wasted); the runner never pads."""
+    policies (tokens a padded batch would have wasted); the runner never pads.
+
+    A batch is valid until the next schedule(): a decoding request's ScheduledSeq is one object
+    updated in place from step to step (copy what must outlive the step)."""
 
     seqs: list[ScheduledSeq] = field(default_factory=list)
     num_padding_tokens: int = 0
@@ -84,3 +87,48 @@ class RequestOutput:
     finish_time: float | None = None
     priority: int = 5
     num_preemptions: int = 0
+
+
+_OUTPUT_FIELDS = tuple(f.name for f in fields(RequestOutput))
+
+
+class RunningOutput(RequestOutput):
+    """A running request's output after a step (the engine builds one per running request per
+    step, so it is made from the few values that can still change: 0.35 us against 0.75 for the
+    fifteen-field constructor). It reads the same as a RequestOutput taken at that moment: the
+    request's identity, prompt and timestamps come from the request (they are fixed by then:
+    `first_token_time` is set, `finish_time` is not), `token_ids` is the live list as in every
+    running output, `new_token_ids` the `n`-th token, and text, new text, error and the
+    preemption count are kept as they were. Pickled (a worker or replica boundary) or merged, it
+    becomes a plain RequestOutput."""
+
+    __slots__ = ("_req", "_n", "text", "new_text", "error", "num_preemptions")
+    finished = False
+    finish_reason = None
+    finish_time = None
+
+    def __init__(self, req, n: int, text: str, new_text: str) -> None:  # noqa: super().__init__ not wanted
+        self._req, self._n, self.text, self.new_text = req, n, text, new_text
+        self.error, self.num_preemptions = req.error, req.num_preemptions
+
+    request_id = property(lambda self: self._req.request_id)
+    prompt_token_ids = property(lambda self: self._req.prompt_token_ids)
+    token_ids = property(lambda self: self._req.output_token_ids)
+    new_token_ids = property(lambda self: self._req.output_token_ids[self._n - 1:self._n])
+    arrival_time = property(lambda self: self._req.arrival_time)
+    first_scheduled_time = property(lambda self: self._req.first_scheduled_time)
+    first_token_time = property(lambda self: self._req.first_token_time)
+    priority = property(lambda self: self._req.priority)
+
+    def __eq__(self, other: object) -> bool:  # equal to the RequestOutput it reads as
+        if not isinstance(other, RequestOutput):
+            return NotImplemented
+        return all(getattr(self, f) == getattr(other, f) for f in _OUTPUT_FIELDS)
+
+    __hash__ = None
+
+    def plain(self) -> RequestOutput:
+        return RequestOutput(*(getattr(self, f) for f in _OUTPUT_FIELDS))
+
+    def __reduce__(self):
+        return RequestOutput, tuple(getattr(self, f) for f in _OUTPUT_FIELDS)

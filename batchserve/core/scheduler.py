@@ -244,8 +244,19 @@ class Scheduler:
             # build_seq, inlined (this loop runs for every running request every step)
             end = start + n
             p = len(prompt)
-            toks = out_ids[start - p:end - p] if start >= p else req.tokens_slice(start, end)
-            out.append(ScheduledSeq(rid, toks, start, table, end == total, req.params, len(out_ids)))
+            if start >= p:  # decoding: last step's ScheduledSeq of this request, brought up to date
+                seq = req.decode_seq
+                toks = out_ids[start - p:end - p]
+                if seq is None:
+                    seq = req.decode_seq = ScheduledSeq(rid, toks, start, table, end == total, req.params,
+                                                        len(out_ids))
+                else:
+                    seq.token_ids, seq.start_pos, seq.block_table = toks, start, table
+                    seq.sample, seq.output_index = end == total, len(out_ids)
+                out.append(seq)
+            else:
+                out.append(ScheduledSeq(rid, req.tokens_slice(start, end), start, table, end == total, req.params,
+                                        len(out_ids)))
             budget -= n
         return budget
 

@@ -6,7 +6,7 @@ import logging
 from typing import Any, Protocol
 
 from batchserve.config import EngineConfig
-from batchserve.core.batch import RequestOutput, ScheduledBatch, StepOutput
+from batchserve.core.batch import RequestOutput, RunningOutput, ScheduledBatch, StepOutput
 from batchserve.core.kv_cache import KVCacheManager
 from batchserve.core.policies import make_policy
 from batchserve.core.scheduler import Scheduler
@@ -201,14 +201,10 @@ class LLMEngine:
             if r.finished:
                 ended_with_token.add(rid)
                 continue
-            # _output(r, 1, ...) for a running request, inlined and positional (hot: every
-            # running request, every step); token_ids is the live list
+            # _output(r, 1, ...) for a running request (hot: every running request, every step)
             st = detok.get(rid)
-            toks = r.output_token_ids
-            outs.append(RequestOutput(rid, r.prompt_token_ids, toks, toks[-1:], False, None,
-                                      st.text if st is not None else "", new_text.get(rid, ""), r.error,
-                                      r.arrival_time, r.first_scheduled_time, r.first_token_time,
-                                      r.finish_time, r.priority, r.num_preemptions))
+            outs.append(RunningOutput(r, len(r.output_token_ids), st.text if st is not None else "",
+                                      new_text.get(rid, "")))
         for req in finished:  # final text now, while this step's token is known
             text = new_text.get(req.request_id, "") + self._flush_text(req)
             self._held[req.request_id] = (1 if req.request_id in ended_with_token else 0, text)

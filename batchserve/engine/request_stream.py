@@ -4,11 +4,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from batchserve.core.batch import RequestOutput
+from batchserve.core.batch import RequestOutput, RunningOutput
 
 
 def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     """Two consecutive outputs of one request as one (the later state, both deltas)."""
+    if isinstance(b, RunningOutput):
+        b = b.plain()
     return dataclasses.replace(b, new_text=a.new_text + b.new_text, new_token_ids=a.new_token_ids + b.new_token_ids)
 
 
