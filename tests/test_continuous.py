@@ -140,3 +140,46 @@ def test_oversized_request_is_refused_with_named_field(make_fake_engine):
     with pytest.raises(RequestError) as e:
         eng.add_request([], SamplingParams(max_tokens=4), now=0.0)
     assert e.value.param == "prompt"
+
+
+def test_a_decoding_request_keeps_one_scheduled_seq_updated_in_place(make_fake_engine):
+    """The scheduler does not rebuild a decode's ScheduledSeq each step: one object per request,
+    brought up to date (a batch is valid until the next schedule)."""
+    eng = make_fake_engine()
+    eng.add_request([1, 2, 3], SamplingParams(max_tokens=5), now=0.0, request_id="a")
+    seqs = []
+    for step in range(4):
+        eng.step(now=float(step))
+        (s,) = eng.executor.batches[-1].seqs
+        seqs.append(s)
+        req = eng.scheduler.requests["a"]
+        # what this step computes: the newest token at its position, sampling the next
+        if step:
+            assert (s.token_ids, s.start_pos, s.output_index) == (req.output_token_ids[-2:-1], 2 + step, step)
+            assert s.sample and s.block_table == eng.kv.block_table("a")
+    assert seqs[0] is not seqs[1]  # the prompt's own
+    assert seqs[1] is seqs[2] is seqs[3]
+    run_all(eng)
+
+
+def test_running_outputs_read_as_snapshots(make_fake_engine):
+    import pickle
+
+    from batchserve.core.batch import RequestOutput
+    from batchserve.engine.request_stream import merge_outputs
+
+    eng = make_fake_engine()
+    eng.add_request([1, 2, 3], SamplingParams(max_tokens=3), now=0.0, request_id="a")
+    (o1,) = eng.step(now=0.0)
+    (o2,) = eng.step(now=1.0)
+    (last,) = eng.step(now=2.0)
+    assert last.finished and last.finish_time == 2.01 and last.token_ids == [6, 7, 8]  # steps take 0.01 s
+    # the earlier outputs still say what they said when they were made
+    assert (o1.new_token_ids, o1.finished, o1.finish_reason, o1.finish_time) == ([6], False, None, None)
+    assert o2.new_token_ids == [7] and o2.first_token_time == 0.01 and o2.arrival_time == 0.0
+    plain = RequestOutput("a", [1, 2, 3], [6, 7, 8], [7], False, None, "", "", None, 0.0, 0.0, 0.01, None, 5, 0)
+    assert o2 == plain and plain == o2
+    copy = pickle.loads(pickle.dumps(o2))
+    assert type(copy) is RequestOutput and copy == plain
+    merged = merge_outputs(o1, o2)
+    assert type(merged) is RequestOutput and merged.new_token_ids == [6, 7] and not merged.finished
