@@ -58,13 +58,19 @@ def reference() -> dict[str, list[int]]:
     return run(LLMEngine.from_config(config(False, False), clock=SimClock()))
 
 
-def test_workers_give_the_same_tokens_and_measure_the_handoff(reference):
-    eng = LLMEngine.from_config(config(True, True), clock=SimClock())
+def run_workers(cfg: EngineConfig) -> tuple[dict[str, list[int]], dict, LLMEngine]:
+    """`run` on an engine with cascade workers, which are shut down after; and their stats."""
+    eng = LLMEngine.from_config(cfg, clock=SimClock())
     try:
         got = run(eng)
         stats = eng.executor.stats()
     finally:
         eng.executor.close()
+    return got, stats, eng
+
+
+def test_workers_give_the_same_tokens_and_measure_the_handoff(reference):
+    got, stats, eng = run_workers(config(True, True))
     assert got == reference
     assert eng.kv.prefix_hit_rate > 0
     assert stats["prefill_steps"] > 0 and stats["decode_steps"] > 0
@@ -94,12 +100,7 @@ def test_workers_hand_off_an_int8_cache():
     if kernel is None or fused_ops_ext() is None or not kernel.prefill_supported(64):
         pytest.skip("the int8 cache's C++ kernels do not run here")
     want = run(LLMEngine.from_config(config(False, False, "int8"), clock=SimClock()))
-    eng = LLMEngine.from_config(config(True, False, "int8"), clock=SimClock())
-    try:
-        got = run(eng)
-        stats = eng.executor.stats()
-    finally:
-        eng.executor.close()
+    got, stats, _ = run_workers(config(True, False, "int8"))
     assert got == want
     assert stats["handoff_blocks"] >= 10
 
