@@ -107,7 +107,7 @@ class RunningOutput(RequestOutput):
     finish_reason = None
     finish_time = None
 
-    def __init__(self, req, n: int, text: str, new_text: str) -> None:  # noqa: super().__init__ not wanted
+    def __init__(self, req, n: int, text: str, new_text: str) -> None:  # the dataclass __init__ is not called
         self._req, self._n, self.text, self.new_text = req, n, text, new_text
         self.error, self.num_preemptions = req.error, req.num_preemptions
 
@@ -120,15 +120,18 @@ class RunningOutput(RequestOutput):
     first_token_time = property(lambda self: self._req.first_token_time)
     priority = property(lambda self: self._req.priority)
 
+    def _values(self) -> tuple:
+        return tuple(getattr(self, f) for f in _OUTPUT_FIELDS)
+
     def __eq__(self, other: object) -> bool:  # equal to the RequestOutput it reads as
         if not isinstance(other, RequestOutput):
             return NotImplemented
-        return all(getattr(self, f) == getattr(other, f) for f in _OUTPUT_FIELDS)
+        return self._values() == tuple(getattr(other, f) for f in _OUTPUT_FIELDS)
 
     __hash__ = None
 
     def plain(self) -> RequestOutput:
-        return RequestOutput(*(getattr(self, f) for f in _OUTPUT_FIELDS))
+        return RequestOutput(*self._values())
 
     def __reduce__(self):
-        return RequestOutput, tuple(getattr(self, f) for f in _OUTPUT_FIELDS)
+        return RequestOutput, self._values()
