@@ -183,3 +183,34 @@ def test_running_outputs_read_as_snapshots(make_fake_engine):
     assert type(copy) is RequestOutput and copy == plain
     merged = merge_outputs(o1, o2)
     assert type(merged) is RequestOutput and merged.new_token_ids == [6, 7] and not merged.finished
+
+
+def test_every_scheduled_seq_matches_its_request_through_block_boundaries_and_preemption(make_fake_engine):
+    """Checked as each step executes: each seq's tokens are its request's at those positions,
+    its block table is the request's live one and covers them, and the batch's token count is
+    the seqs' (the policies count it as they schedule) -- across block boundaries (the decode
+    fast path skips the block check inside a block) and preemptions (which replace a table)."""
+    from tests.conftest import FakeExecutor
+
+    class Checking(FakeExecutor):
+        def execute(self, batch):
+            assert batch.num_tokens == sum(len(s.token_ids) for s in batch.seqs)
+            for s in batch.seqs:
+                req = eng.scheduler.requests[s.request_id]
+                end = s.start_pos + len(s.token_ids)
+                assert s.token_ids == req.tokens_slice(s.start_pos, end)
+                assert s.block_table is eng.kv.block_table(s.request_id)
+                assert len(s.block_table) * 4 >= end
+                assert s.sample == (end == req.num_tokens) and s.output_index == req.num_output_tokens
+            return super().execute(batch)
+
+    for policy in ("continuous", "chunked"):
+        # 8 blocks of 4 tokens for 4 requests that each grow to 3-4 blocks: preemptions
+        eng = make_fake_engine(num_blocks=8, block_size=4, executor=Checking(8), policy=policy,
+                               max_num_batched_tokens=16)
+        for i in range(4):
+            eng.add_request([10 + i] * (3 + i), SamplingParams(max_tokens=9), now=0.0, request_id=f"r{i}")
+        done = run_all(eng)
+        assert eng.scheduler.num_preemptions > 0
+        for i in range(4):  # the fake executor's token at position p is p + 3 (for p < 997)
+            assert done[f"r{i}"].token_ids == [3 + i + k + 3 for k in range(9)]

@@ -43,10 +43,14 @@ class ScheduledBatch:
 
     seqs: list[ScheduledSeq] = field(default_factory=list)
     num_padding_tokens: int = 0
+    # the seqs' tokens, when the policy counted them as it scheduled (its budget spent); else
+    # counted on each read of num_tokens
+    total_tokens: int | None = None
 
     @property
     def num_tokens(self) -> int:
-        return sum([len(s.token_ids) for s in self.seqs])
+        n = self.total_tokens
+        return sum([len(s.token_ids) for s in self.seqs]) if n is None else n
 
     @property
     def num_seqs(self) -> int:

@@ -200,6 +200,7 @@ class Scheduler:
         """Preempt by recompute: blocks freed, counters reset, back to the waiting queue."""
         self.running.remove(req)
         self.kv.free(req.request_id)
+        req.decode_seq = None  # its block table is gone: a new one is built when it decodes again
         req.set_status(RequestStatus.PREEMPTED)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -214,16 +215,33 @@ class Scheduler:
         token budget left. `select` limits which requests are considered (checked as each
         comes up); requests already in `out` are skipped and never chosen as victims, so a
         policy may call this more than once per step (e.g. decodes first, then prompt chunks)."""
-        earlier = {s.request_id for s in out}  # given tokens by an earlier call this step
+        earlier = {s.request_id for s in out} if out else ()  # given tokens by an earlier call this step
         grow = self.kv.grow
+        bs = self.kv.block_size
         for req in self.running_order():
+            if req.status is not _RUNNING:
+                continue  # preempted earlier in this loop
             rid = req.request_id
-            if req.status is not _RUNNING or rid in earlier:
-                continue  # preempted earlier in this loop, or already given tokens
+            if rid in earlier:
+                continue  # already given tokens
             if select is not None and not select(req):
                 continue
             if budget <= 0:
                 break
+            # The steady decode (most requests, most steps): the request decoded before, its
+            # next token is its last output, and that position's block is already in its table
+            # (it is not the first of a block). Its ScheduledSeq is brought up to date in place;
+            # its block table is the live list, replaced only by a preemption (which drops the seq).
+            seq = req.decode_seq
+            if seq is not None:
+                start = req.num_computed_tokens
+                out_ids = req.output_token_ids
+                if start % bs and len(req.prompt_token_ids) + len(out_ids) - start == 1:
+                    seq.token_ids, seq.start_pos, seq.sample, seq.output_index = (
+                        out_ids[-1:], start, True, len(out_ids))
+                    out.append(seq)
+                    budget -= 1
+                    continue
             start = req.num_computed_tokens
             prompt, out_ids = req.prompt_token_ids, req.output_token_ids
             total = len(prompt) + len(out_ids)

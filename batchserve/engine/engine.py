@@ -15,6 +15,8 @@ from batchserve.engine.clock import WallClock
 from batchserve.engine.detokenizer import DetokState, detokenize_step, find_stop, text_decoder
 from batchserve.request import Request, RequestError, RequestStatus, SamplingParams
 
+_RUNNING = RequestStatus.RUNNING
+
 log = logging.getLogger(__name__)
 
 
@@ -198,7 +200,7 @@ class LLMEngine:
         ended_with_token: set[str] = set()  # finished requests that got a token in this step
         for r in changed:
             rid = r.request_id
-            if r.finished:
+            if r.status is not _RUNNING:  # finished (update ends requests; nothing here preempts)
                 ended_with_token.add(rid)
                 continue
             # _output(r, 1, ...) for a running request (hot: every running request, every step)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any, Protocol
 
 from batchserve.core.batch import ScheduledBatch
@@ -51,6 +52,9 @@ class CostModel(Protocol):
     def describe(self) -> dict[str, Any]: ...
 
 
+_start_pos, _sample = attrgetter("start_pos"), attrgetter("sample")
+
+
 @dataclass(frozen=True)
 class StepShape:
     """The numbers a step's cost depends on, summed over its sequences."""
@@ -63,6 +67,10 @@ class StepShape:
 
     @staticmethod
     def of(batch: ScheduledBatch) -> "StepShape":
+        seqs = batch.seqs
+        if batch.num_tokens == len(seqs):  # one token a sequence (all decodes): p + 1 each, pairs = context
+            ctx = sum(map(_start_pos, seqs)) + len(seqs)
+            return StepShape(len(seqs), len(seqs), sum(map(_sample, seqs)), ctx, float(ctx))
         t = smp = ctx = 0
         pairs = 0.0
         for s in batch.seqs:

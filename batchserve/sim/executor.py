@@ -47,16 +47,14 @@ class SimExecutor:
         self.num_steps += 1
         self.busy_time += dt
         self.last_step_time = dt
-        sampled = {}
-        num_tokens = 0
-        avoid = self.avoid_ids
-        for s in batch.seqs:
-            n = len(s.token_ids)
-            num_tokens += n
-            if s.sample:  # token_for, inlined when there is nothing to avoid
-                sampled[s.request_id] = (self.token_for(s.start_pos + n) if avoid
-                                         else TOKEN_BASE + (s.start_pos + n) % TOKEN_SPAN)
-        self.num_tokens += num_tokens
+        seqs = batch.seqs
+        if self.avoid_ids:
+            token_for = self.token_for
+            sampled = {s.request_id: token_for(s.start_pos + len(s.token_ids)) for s in seqs if s.sample}
+        else:  # token_for without ids to avoid (one comprehension: this runs for every sequence every step)
+            sampled = {s.request_id: TOKEN_BASE + (s.start_pos + len(s.token_ids)) % TOKEN_SPAN
+                       for s in seqs if s.sample}
+        self.num_tokens += batch.num_tokens
         if self.trace is not None:
             self.trace.append(batch_key(batch))
         return StepOutput(sampled, dt)

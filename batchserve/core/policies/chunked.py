@@ -41,4 +41,4 @@ class ChunkedPolicy(Policy):
             seqs.append(seq)
             budget -= seq.num_tokens
             owed += sched.kv.num_blocks_needed(req.request_id, req.num_tokens)
-        return ScheduledBatch(seqs)
+        return ScheduledBatch(seqs, total_tokens=cfg.max_num_batched_tokens - budget)

@@ -32,4 +32,4 @@ class ContinuousPolicy(Policy):
                 break
             seqs.append(seq)
             budget -= seq.num_tokens
-        return ScheduledBatch(seqs)
+        return ScheduledBatch(seqs, total_tokens=cfg.max_num_batched_tokens - budget)
