@@ -184,6 +184,21 @@ def test_stop_strings(llm):
     assert out.text.rstrip().endswith("6,") and "7" not in out.text
 
 
+def test_a_stop_string_ends_the_stream_in_the_step_that_produced_it(llm):
+    """Streamed step by step: the output that finishes the request comes out of the step whose
+    token completed the stop string (carrying that token and the text before the stop), and the
+    streamed pieces add up to the final text."""
+    eng = llm.engine
+    eng.add_request("1, 2, 3, 4,", SamplingParams(max_tokens=32, temperature=0.0, stop=["7"]), request_id="stop-1")
+    outs = []
+    while eng.has_unfinished:
+        outs += [o for o in eng.step() if o.request_id == "stop-1"]
+    last = outs[-1]
+    assert last.finished and last.finish_reason == "stop" and all(not o.finished for o in outs[:-1])
+    assert all(o.new_token_ids for o in outs)  # one token each, the last one included
+    assert "".join(o.new_text for o in outs) == last.text and last.text.rstrip().endswith("6,")
+
+
 def test_text_decoder_is_the_tokenizers_decode_and_streams_the_final_text(llm):
     """The engine decodes with the Rust tokenizer directly when transformers would add nothing:
     the same text as tokenizer.decode on any ids (special tokens, byte pieces of split UTF-8),

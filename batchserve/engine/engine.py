@@ -193,20 +193,23 @@ class LLMEngine:
         else:
             end = start
         detok = self._detok
-        # without a tokenizer there is no text: skip the per-request detokenize calls
-        new_text = {req.request_id: self._detokenize(req, end) for req in changed} if detok else {}
-        finished = self.scheduler.drain_finished()
-        outs: list[RequestOutput] = []
-        ended_with_token: set[str] = set()  # finished requests that got a token in this step
-        for r in changed:
-            rid = r.request_id
-            if r.status is not _RUNNING:  # finished (update ends requests; nothing here preempts)
-                ended_with_token.add(rid)
-                continue
-            # _output(r, 1, ...) for a running request (hot: every running request, every step)
-            st = detok.get(rid)
-            outs.append(RunningOutput(r, len(r.output_token_ids), st.text if st is not None else "",
-                                      new_text.get(rid, "")))
+        # A running request's output (_output(r, 1, ...), hot: every running request, every step).
+        # Requests in `changed` are running or just finished (update ends requests; nothing here
+        # preempts); the finished ones get their final output below, with the token of this step.
+        if detok:
+            new_text = {req.request_id: self._detokenize(req, end) for req in changed}
+            outs: list[RequestOutput] = []
+            for r in changed:
+                if r.status is _RUNNING:
+                    st = detok.get(r.request_id)
+                    outs.append(RunningOutput(r, len(r.output_token_ids), st.text if st is not None else "",
+                                              new_text.get(r.request_id, "")))
+        else:  # without a tokenizer there is no text, and nothing to detokenize
+            new_text = {}
+            outs = [RunningOutput(r, len(r.output_token_ids), "", "") for r in changed if r.status is _RUNNING]
+        ended_with_token = ({r.request_id for r in changed if r.status is not _RUNNING}
+                            if len(outs) < len(changed) else ())
+        finished = self.scheduler.drain_finished()  # after detokenizing: a stop string ends a request
         for req in finished:  # final text now, while this step's token is known
             text = new_text.get(req.request_id, "") + self._flush_text(req)
             self._held[req.request_id] = (1 if req.request_id in ended_with_token else 0, text)
