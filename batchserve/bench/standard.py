@@ -81,12 +81,14 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
 
 
 @contextlib.contextmanager
-def running_server(args: list[str], log_path: str | None = None, timeout_s: float = 300.0) -> Iterator[str]:
-    """`batchserve serve ARGS` on a free 127.0.0.1 port, as a subprocess; yields its URL once
-    /health is 200, and stops it (SIGTERM, then kill) on exit."""
+def running_server(args: list[str], log_path: str | None = None, timeout_s: float = 300.0,
+                   serve_cmd: tuple[str, ...] = SERVE_CMD) -> Iterator[str]:
+    """`batchserve serve ARGS` (or another server that takes --host / --port and answers /health,
+    `serve_cmd`) on a free 127.0.0.1 port, as a subprocess; yields its URL once /health is 200,
+    and stops it (SIGTERM, then kill) on exit."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [*SERVE_CMD, "--host", "127.0.0.1", "--port", str(port), *args]
+    cmd = [*serve_cmd, "--host", "127.0.0.1", "--port", str(port), *args]
     log = open(log_path, "w") if log_path else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
