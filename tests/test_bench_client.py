@@ -216,3 +216,17 @@ def test_parse_metrics_tolerates_other_servers():
     vals = parse_metrics("# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{model_name=\"x\"} 4\n"
                          "# TYPE process_cpu_seconds_total counter\nprocess_cpu_seconds_total 1.0\n")
     assert vals == {"vllm:num_requests_waiting{model_name=x}": 4.0}
+
+
+def test_vs_llamacpp_refuses_a_missing_server_binary_by_name(tmp_path, capsys):
+    import pytest
+
+    from batchserve.bench import vs_llamacpp
+
+    not_exec = tmp_path / "llama-server"
+    not_exec.write_text("")  # exists, not executable
+    for path in ("/nonexistent/llama-server", str(not_exec)):
+        with pytest.raises(SystemExit) as e:
+            vs_llamacpp.main(["--llama-server", path, "--", "-fa", "off"])
+        assert e.value.code == 2
+        assert f"--llama-server: {path!r} is not an executable file" in capsys.readouterr().err
