@@ -7,7 +7,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8000
 ARGS   ?=
 
-.PHONY: install serve test bench bench-engine bench-http bench-ray demo clean
+.PHONY: install serve test bench bench-engine bench-http bench-ray bench-llamacpp demo clean
 
 install: $(STAMP)
 
@@ -57,6 +57,25 @@ bench-ray: $(STAMP)
 # and plots that BENCHMARKS.md links (about an hour here).
 bench-http: $(STAMP)
 	$(PY) -m batchserve.bench.standard --out-dir docs/bench --max-duration 120
+
+# The 64-request workload through llama.cpp's server and through `serve`, alternating (about 8
+# minutes), after building llama-server from the llama.cpp source that llama-cpp-python's PyPI
+# sdist carries (about 12 minutes on 2 cores, once; needs cmake and a C++ compiler).
+LLAMA_CPP_PYTHON ?= 0.3.36
+LLAMA_DIR        := build/llama.cpp
+LLAMA_SERVER     := $(LLAMA_DIR)/build/bin/llama-server
+
+$(LLAMA_SERVER): | $(STAMP)
+	mkdir -p $(LLAMA_DIR)
+	$(PY) -m pip download --quiet --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_CPP_PYTHON) -d $(LLAMA_DIR)
+	tar xzf $(LLAMA_DIR)/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz -C $(LLAMA_DIR)
+	cmake -S $(LLAMA_DIR)/llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp -B $(LLAMA_DIR)/build \
+	  -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+	  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+	cmake --build $(LLAMA_DIR)/build --parallel $$(nproc) --target llama-server
+
+bench-llamacpp: $(STAMP) $(LLAMA_SERVER)
+	$(PY) -m batchserve.bench.vs_llamacpp --llama-server $(LLAMA_SERVER) --out BENCHMARKS.md -- -fa off
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -9,11 +9,11 @@ benchmark's offline workload: random prompts of lognormal length, median ~200 to
 `llama-server` on the same model file with one slot per request (continuous batching), the
 threads set to the machine's cores, and each slot's context room for its longest request.
 
-llama-server is not installed by `make`: the PyPI sdist of llama-cpp-python carries llama.cpp's
-source (`pip download --no-deps --no-binary :all: llama-cpp-python`, then in its
-vendor/llama.cpp: `cmake -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF
+`make bench-llamacpp` builds llama-server and runs this: the PyPI sdist of llama-cpp-python
+carries llama.cpp's source (`pip download --no-deps --no-binary :all: llama-cpp-python`, then in
+its vendor/llama.cpp `cmake -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF
 -DLLAMA_OPENSSL=OFF && cmake --build build --target llama-server`; about 12 minutes on 2 cores).
-Extra llama-server flags go after `--`, e.g. `-- -fa off`.
+Extra llama-server flags go after `--`, e.g. `-- -fa off` (faster than its default here).
 """
 from __future__ import annotations
 
