@@ -228,42 +228,35 @@ class Scheduler:
                 continue
             if budget <= 0:
                 break
-            # The steady decode (most requests, most steps): the request decoded before, its
-            # next token is its last output, and that position's block is already in its table
-            # (it is not the first of a block). Its ScheduledSeq is brought up to date in place;
-            # its block table is the live list, replaced only by a preemption (which drops the seq).
-            seq = req.decode_seq
-            if seq is not None:
-                start = req.num_computed_tokens
-                out_ids = req.output_token_ids
-                if start % bs and len(req.prompt_token_ids) + len(out_ids) - start == 1:
-                    seq.token_ids, seq.start_pos, seq.sample, seq.output_index = (
-                        out_ids[-1:], start, True, len(out_ids))
-                    out.append(seq)
-                    budget -= 1
-                    continue
             start = req.num_computed_tokens
             prompt, out_ids = req.prompt_token_ids, req.output_token_ids
             total = len(prompt) + len(out_ids)
-            n = min(total - start, budget)
-            if chunk and chunk < n:
-                n = chunk
-            if n <= 0:
-                continue
-            table = grow(rid, start + n)
-            while table is None:  # never preempt a request already in `out`
-                victim = self.pick_victim({s.request_id for s in out} | {rid}) or req
-                self.preempt(victim)
-                if victim is req:
-                    break
+            seq = req.decode_seq
+            if seq is not None and total - start == 1 and start % bs:
+                # The steady decode (most requests, most steps): one token, and its position is
+                # not the first of a block, so the block is already in the table and the KV
+                # manager is not asked. The seq's table is the live list; a preemption, which
+                # replaces the table, drops the seq.
+                n, table = 1, seq.block_table
+            else:
+                n = min(total - start, budget)
+                if chunk and chunk < n:
+                    n = chunk
+                if n <= 0:
+                    continue
                 table = grow(rid, start + n)
-            if table is None:
-                continue  # preempted itself
+                while table is None:  # never preempt a request already in `out`
+                    victim = self.pick_victim({s.request_id for s in out} | {rid}) or req
+                    self.preempt(victim)
+                    if victim is req:
+                        break
+                    table = grow(rid, start + n)
+                if table is None:
+                    continue  # preempted itself
             # build_seq, inlined (this loop runs for every running request every step)
             end = start + n
             p = len(prompt)
             if start >= p:  # decoding: last step's ScheduledSeq of this request, brought up to date
-                seq = req.decode_seq
                 toks = out_ids[start - p:end - p]
                 if seq is None:
                     seq = req.decode_seq = ScheduledSeq(rid, toks, start, table, end == total, req.params,
