@@ -7,7 +7,7 @@ from typing import Sequence
 from batchserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from batchserve.core.batch import RequestOutput
 from batchserve.engine.engine import LLMEngine
-from batchserve.request import SamplingParams
+from batchserve.request import DEFAULT_PRIORITY, SamplingParams
 
 
 class LLM:
@@ -56,11 +56,11 @@ class LLM:
             raise ValueError(f"params: got {len(plist)} for {n} prompts")
         ids = []
         for i, (item, p) in enumerate(zip(items, plist)):
-            prio = priorities[i] if priorities is not None else 5
+            prio = priorities[i] if priorities is not None else DEFAULT_PRIORITY
             ids.append(self.engine.add_request(params=p, priority=prio, **item).request_id)
         done: dict[str, RequestOutput] = {}
         while len(done) < n:
-            for out in self.engine.step():
+            for out in self.engine.step().outputs:
                 if out.finished:
                     done[out.request_id] = out
         return [done[i] for i in ids]

@@ -1,8 +1,14 @@
-"""Request: the single source of truth about one generation, and its sampling parameters."""
+"""Request: the single source of truth about one generation; RequestSpec, the typed request
+that travels from the HTTP layer to the engine; SamplingParams; and the enums and constants
+every layer shares (priorities, deadline kinds, finish reasons)."""
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
+
+MIN_PRIORITY, MAX_PRIORITY = 0, 10
+DEFAULT_PRIORITY = 5  # the priority of a request that names none; higher is more urgent
 
 
 class RequestError(ValueError):
@@ -27,6 +33,26 @@ class OverloadedError(RuntimeError):
 
     def __reduce__(self):
         return (type(self), (str(self), self.retry_after_s, self.level))
+
+
+class DeadlineKind(enum.StrEnum):
+    """What missing a deadline means: `hard`, the request fails (HTTP 504) and is ended as soon
+    as it cannot make it; `soft`, the answer is cut short to arrive in time."""
+
+    HARD = "hard"
+    SOFT = "soft"
+
+
+class FinishReason(enum.StrEnum):
+    """Why a request ended, as callers see it (a `str`: compares equal to its value)."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    DEADLINE = "deadline"
+    TRUNCATED = "deadline_truncated"
+    REJECTED = "rejected"
+    ERROR = "error"
 
 
 @dataclass(frozen=True)
@@ -82,18 +108,72 @@ class RequestStatus(enum.Enum):
     FINISHED_REJECTED = "rejected"
     FINISHED_ERROR = "error"
 
+    HANDED_OFF = "handed_off"  # left this engine to carry on in another (disaggregated serving)
+
     @property
     def finished(self) -> bool:
         return self not in (RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.PREEMPTED)
 
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        """What a caller is told; None while unfinished, or when the request left for another engine."""
+        return _REASONS.get(self)
+
 
 _S = RequestStatus
+_REASONS = {_S.FINISHED_STOPPED: FinishReason.STOP, _S.FINISHED_LENGTH: FinishReason.LENGTH,
+            _S.FINISHED_ABORTED: FinishReason.ABORT, _S.FINISHED_DEADLINE: FinishReason.DEADLINE,
+            _S.FINISHED_TRUNCATED: FinishReason.TRUNCATED, _S.FINISHED_REJECTED: FinishReason.REJECTED,
+            _S.FINISHED_ERROR: FinishReason.ERROR}
 _RUNNING, _WAITING, _PREEMPTED = _S.RUNNING, _S.WAITING, _S.PREEMPTED
 _TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
     _S.WAITING: frozenset({_S.RUNNING} | {s for s in _S if s.finished}),
     _S.RUNNING: frozenset({_S.PREEMPTED} | {s for s in _S if s.finished}),
     _S.PREEMPTED: frozenset({_S.WAITING} | {s for s in _S if s.finished}),
 }
+
+
+def check_priority(priority: object) -> int:
+    """`priority` as an int in [MIN_PRIORITY, MAX_PRIORITY], or RequestError naming it."""
+    if not isinstance(priority, int) or isinstance(priority, bool) or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+        raise RequestError("priority", f"must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {priority!r}")
+    return priority
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One request as its caller states it: what to generate from, how, and how urgently.
+
+    Built once at the edge (the HTTP layer, the offline `LLM`, a simulator) and carried unchanged
+    to the engine thread, which tokenizes it and makes the `Request`. This is the one place a
+    request's priority and deadline are checked: a bad value raises RequestError naming it.
+    `deadline_ms` / `deadline_kind` left None take the queue level's defaults; `arrival_time`
+    (engine clock) left None is when the engine takes the request. `auto_max_tokens` set (for a
+    caller that gave no limit): max_tokens becomes the room the context leaves, up to that many."""
+
+    params: SamplingParams
+    prompt: str | list[int] | None = None  # text, or token ids
+    messages: list[dict] | None = None  # chat messages, through the model's chat template
+    request_id: str | None = None
+    priority: int = DEFAULT_PRIORITY
+    deadline_ms: float | None = None
+    deadline_kind: DeadlineKind | None = None
+    auto_max_tokens: int | None = None
+    arrival_time: float | None = None
+
+    def __post_init__(self) -> None:
+        check_priority(self.priority)
+        d = self.deadline_ms
+        if d is not None and (not isinstance(d, (int, float)) or isinstance(d, bool) or not 0 < d < math.inf):
+            raise RequestError("deadline_ms", f"must be a positive number, got {d!r}")
+        kind = self.deadline_kind
+        if kind is not None and not isinstance(kind, DeadlineKind):
+            try:
+                object.__setattr__(self, "deadline_kind", DeadlineKind(kind))
+            except ValueError:
+                raise RequestError("deadline_kind", f"must be 'hard' or 'soft', got {kind!r}") from None
+        if (self.prompt is None) == (self.messages is None):
+            raise RequestError("prompt", "give exactly one of prompt and messages")
 
 
 @dataclass(eq=False)
@@ -108,9 +188,9 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
-    priority: int = 5  # 0..10, higher is more urgent
+    priority: int = DEFAULT_PRIORITY  # MIN_PRIORITY..MAX_PRIORITY, higher is more urgent
     deadline_ms: float | None = None  # None: the queue level's default (which may be none)
-    deadline_kind: str | None = None  # "hard" | "soft"; None: the queue level's default
+    deadline_kind: DeadlineKind | None = None  # None: the queue level's default
     eos_token_id: int | None = None
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -130,12 +210,6 @@ class Request:
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise RequestError("prompt", "must not be empty")
-        if not isinstance(self.priority, int) or isinstance(self.priority, bool) or not 0 <= self.priority <= 10:
-            raise RequestError("priority", f"must be an integer in [0, 10], got {self.priority!r}")
-        if self.deadline_ms is not None and (not isinstance(self.deadline_ms, (int, float)) or self.deadline_ms <= 0):
-            raise RequestError("deadline_ms", f"must be a positive number, got {self.deadline_ms!r}")
-        if self.deadline_kind not in (None, "hard", "soft"):
-            raise RequestError("deadline_kind", f"must be 'hard' or 'soft', got {self.deadline_kind!r}")
         if self.max_tokens == 0:
             self.max_tokens = self.params.max_tokens
 
@@ -161,7 +235,7 @@ class Request:
     @property
     def hard_deadline(self) -> bool:
         """True when missing the deadline is failure; an unset kind counts as hard."""
-        return self.deadline_ms is not None and self.deadline_kind != "soft"
+        return self.deadline_ms is not None and self.deadline_kind != DeadlineKind.SOFT
 
     @property
     def deadline(self) -> float | None:

@@ -40,7 +40,7 @@ def drive(eng, arrivals=(), dt=0.01, max_steps=20_000):
             t, kw = pending.pop(0)
             eng.add_request(now=t, **kw)
         ran = len(eng.executor.batches)
-        for out in eng.step(now=now):
+        for out in eng.step(now=now).outputs:
             if out.finished:
                 assert out.request_id not in done
                 done[out.request_id] = (out, step)

@@ -65,7 +65,7 @@ class RunningServer:
 def start_server(engine: Any, config: ServerConfig | None = None, timeout: float = 120.0) -> RunningServer:
     """Serve `engine` (an LLMEngine, or an engine client such as RayEngineClient) over real
     HTTP; returns once /health says 200."""
-    app = create_app(engine if hasattr(engine, "attach") else (lambda: engine), config or ServerConfig(), MODEL)
+    app = create_app(engine, config or ServerConfig(), MODEL)
     sock = free_socket()
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2))

@@ -45,7 +45,7 @@ def test_every_request_ends_exactly_once_and_blocks_come_back(make_fake_engine, 
         if live and rng.random() < 0.05:
             eng.abort(rng.choice(sorted(live)), now=t)
         n_batches = len(eng.executor.batches)
-        for o in eng.step(now=t):
+        for o in eng.step(now=t).outputs:
             if not o.finished:
                 continue
             assert o.request_id not in ended, f"{o.request_id} ended twice"

@@ -7,7 +7,7 @@ def run_all(eng, max_steps=10_000):
     finished = {}
     steps = 0
     while eng.has_unfinished:
-        for out in eng.step(now=eng.clock.now()):
+        for out in eng.step(now=eng.clock.now()).outputs:
             if out.finished:
                 finished[out.request_id] = out
         eng.clock.advance(0.01)
@@ -49,7 +49,7 @@ def test_finished_leave_at_once_with_their_tokens(make_fake_engine):
     done_at = {}
     step = 0
     while eng.has_unfinished:
-        for o in eng.step(now=float(step)):
+        for o in eng.step(now=float(step)).outputs:
             if o.finished:
                 done_at[o.request_id] = (step, o)
         step += 1
@@ -123,7 +123,7 @@ def test_abort_frees_blocks_at_once(make_fake_engine):
     eng.abort("queued", now=0.01)
     eng.abort("nope", now=0.01)  # unknown id: no error
     assert eng.kv.num_free_blocks == eng.kv.num_blocks
-    outs = eng.step(now=0.02)
+    outs = eng.step(now=0.02).outputs
     assert {o.request_id: o.finish_reason for o in outs} == {"a": "abort", "queued": "abort"}
     assert not eng.has_unfinished
 
@@ -170,9 +170,9 @@ def test_running_outputs_read_as_snapshots(make_fake_engine):
 
     eng = make_fake_engine()
     eng.add_request([1, 2, 3], SamplingParams(max_tokens=3), now=0.0, request_id="a")
-    (o1,) = eng.step(now=0.0)
-    (o2,) = eng.step(now=1.0)
-    (last,) = eng.step(now=2.0)
+    (o1,) = eng.step(now=0.0).outputs
+    (o2,) = eng.step(now=1.0).outputs
+    (last,) = eng.step(now=2.0).outputs
     assert last.finished and last.finish_time == 2.01 and last.token_ids == [6, 7, 8]  # steps take 0.01 s
     # the earlier outputs still say what they said when they were made
     assert (o1.new_token_ids, o1.finished, o1.finish_reason, o1.finish_time) == ([6], False, None, None)

@@ -24,7 +24,7 @@ def drive(eng, until=None, log=None):
     while eng.has_unfinished and (until is None or eng.clock.now() < until):
         t = eng.clock.now()
         n = len(eng.executor.batches)
-        for o in eng.step(now=t):
+        for o in eng.step(now=t).outputs:
             if o.finished:
                 assert o.request_id not in done
                 done[o.request_id] = o
@@ -80,7 +80,7 @@ def test_hard_deadline_ends_at_admission_when_it_cannot_make_it(make_fake_engine
     eng.add_request([1, 2, 3], SamplingParams(max_tokens=50), now=t, request_id="doomed", deadline_ms=200)
     eng.add_request([1, 2, 3], SamplingParams(max_tokens=50), now=t, request_id="ok", deadline_ms=2000)
     assert eng.scheduler.requests.keys() == {"ok"}
-    outs = {o.request_id: o for o in eng.step(now=t) if o.finished}
+    outs = {o.request_id: o for o in eng.step(now=t).outputs if o.finished}
     assert outs["doomed"].finish_reason == "deadline" and "cannot finish" in outs["doomed"].error
     assert outs["doomed"].token_ids == [] and outs["doomed"].first_scheduled_time is None
     done = drive(eng)
@@ -133,7 +133,7 @@ def test_hard_deadline_while_running_by_prediction(make_fake_engine):
     while "target" not in done:
         held = len(eng.kv.block_table("target"))
         t = eng.clock.now()
-        done.update({o.request_id: o for o in eng.step(now=t) if o.finished})
+        done.update({o.request_id: o for o in eng.step(now=t).outputs if o.finished})
         eng.clock.set(t + eng.executor.step_time)
     o = done["target"]
     assert o.finish_reason == "deadline" and "cannot finish" in o.error
@@ -146,7 +146,7 @@ def test_hard_deadline_while_running_by_prediction(make_fake_engine):
 def test_step_ending_past_hard_deadline_fails(make_fake_engine):
     eng = make_fake_engine()
     eng.add_request([1, 2, 3], SamplingParams(max_tokens=1), now=0.0, request_id="r", deadline_ms=5)
-    outs = {o.request_id: o for o in eng.step(now=0.0)}  # the step takes 10 ms
+    outs = {o.request_id: o for o in eng.step(now=0.0).outputs}  # the step takes 10 ms
     assert outs["r"].finish_reason == "deadline" and outs["r"].token_ids == []
     assert eng.kv.num_free_blocks == eng.kv.num_blocks
 

@@ -107,7 +107,7 @@ def test_batch_invariance_and_transformers_generate(llm, hf_model):
     while pending or eng.has_unfinished:
         if pending:
             ids.append(eng.add_request(pending.pop(0), GREEDY).request_id)
-        for o in eng.step():
+        for o in eng.step().outputs:
             if o.finished:
                 done[o.request_id] = o.token_ids
     assert [done[i] for i in ids] == together
@@ -192,7 +192,7 @@ def test_a_stop_string_ends_the_stream_in_the_step_that_produced_it(llm):
     eng.add_request("1, 2, 3, 4,", SamplingParams(max_tokens=32, temperature=0.0, stop=["7"]), request_id="stop-1")
     outs = []
     while eng.has_unfinished:
-        outs += [o for o in eng.step() if o.request_id == "stop-1"]
+        outs += [o for o in eng.step().outputs if o.request_id == "stop-1"]
     last = outs[-1]
     assert last.finished and last.finish_reason == "stop" and all(not o.finished for o in outs[:-1])
     assert all(o.new_token_ids for o in outs)  # one token each, the last one included

@@ -30,7 +30,7 @@ def test_static_waits_for_window_then_returns_batch_together(make_fake_engine):
     eng = make_fake_engine(policy="static", window_ms=50.0, max_batch=8)
     for rid, plen, m in (("a", 3, 2), ("b", 5, 6), ("c", 4, 9)):
         eng.add_request(now=0.0, **req(rid, plen, m))
-    assert eng.step(now=0.0) == [] and eng.step(now=0.049) == []  # window still open
+    assert eng.step(now=0.0).outputs == [] and eng.step(now=0.049).outputs == []  # window still open
     assert not eng.executor.batches
     eng.clock.set(0.05)
     done = drive(eng, [(0.06, req("late", 3, 2))])  # arrives while the batch runs
@@ -81,10 +81,10 @@ def test_static_abort_of_a_member_still_releases_the_rest(make_fake_engine):
     eng.add_request(now=0.0, **req("b", 3, 20))
     outs = {}
     for t in range(4):
-        outs.update({o.request_id: o for o in eng.step(now=t * 0.01) if o.finished})
+        outs.update({o.request_id: o for o in eng.step(now=t * 0.01).outputs if o.finished})
     assert not outs  # "a" is done but held for the batch
     eng.abort("b", now=0.04)
-    outs = {o.request_id: o for o in eng.step(now=0.05) if o.finished}
+    outs = {o.request_id: o for o in eng.step(now=0.05).outputs if o.finished}
     assert outs["a"].finish_reason == "length" and outs["b"].finish_reason == "abort"
     assert outs["a"].token_ids == expected_tokens(3, 2)
 
@@ -163,7 +163,7 @@ def test_every_policy_finishes_everything_with_correct_tokens_under_pressure(mak
     eng.add_request(now=0.0, **req("victim", 5, 50))
     done = {}
     for t in range(3):
-        done.update({o.request_id: (o, t) for o in eng.step(now=t * 0.01) if o.finished})
+        done.update({o.request_id: (o, t) for o in eng.step(now=t * 0.01).outputs if o.finished})
     eng.abort("victim", now=0.03)
     eng.clock.set(0.03)
     done.update(drive(eng, [(a[0] + 0.03, a[1]) for a in arrivals]))

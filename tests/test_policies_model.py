@@ -51,7 +51,7 @@ def run(runner, tok, eos, prompts, arrivals, max_tokens, policy, prefix_caching=
             _, i = pending.pop(0)
             eng.add_request(prompts[i], SamplingParams(max_tokens=max_tokens[i], temperature=0.0, ignore_eos=True),
                             now=now, request_id=f"q{i}")
-        for out in eng.step(now=now):
+        for out in eng.step(now=now).outputs:
             if out.finished:
                 done[out.request_id] = out
         eng.clock.advance(0.01)

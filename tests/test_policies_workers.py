@@ -44,7 +44,7 @@ def run(eng: LLMEngine) -> dict[str, list[int]]:
             i, (_, prompt, m) = pending.pop(0)
             eng.add_request(prompt, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True), now=now,
                             request_id=f"r{i}")
-        for o in eng.step(now=now):
+        for o in eng.step(now=now).outputs:
             if o.finished:
                 done[o.request_id] = o.token_ids
         eng.clock.advance(0.01)

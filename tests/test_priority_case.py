@@ -64,7 +64,7 @@ def run(queue: QueueConfig, with_priorities: bool, rate: float, seed: int = 7) -
                 cls_of[r.request_id] = cls
             except OverloadedError:
                 refused[cls] += 1
-        for o in eng.step(now=now):
+        for o in eng.step(now=now).outputs:
             if o.finished:
                 outs[o.request_id] = o
         now += STEP

@@ -134,13 +134,13 @@ def test_engine_drop_oldest_ends_it_as_rejected_in_next_step(make_fake_engine):
     eng.add_request([1, 2, 3], P, now=0.01, request_id="old")
     eng.add_request([1, 2, 3], P, now=0.02, request_id="mid")
     eng.add_request([1, 2, 3], P, now=0.03, request_id="new")
-    outs = {o.request_id: o for o in eng.step(now=0.03)}
+    outs = {o.request_id: o for o in eng.step(now=0.03).outputs}
     assert outs["old"].finished and outs["old"].finish_reason == "rejected"
     assert "dropped" in outs["old"].error and outs["old"].token_ids == []
     assert "mid" in eng.scheduler.waiting and "new" in eng.scheduler.waiting
     done = {}
     while eng.has_unfinished:
-        done.update({o.request_id: o for o in eng.step(now=eng.clock.now()) if o.finished})
+        done.update({o.request_id: o for o in eng.step(now=eng.clock.now()).outputs if o.finished})
         eng.clock.advance(0.01)
     assert {r: o.finish_reason for r, o in done.items()} == {"running": "length", "mid": "length",
                                                            "new": "length"}
@@ -154,7 +154,7 @@ def test_engine_reject_raises_and_leaves_nothing_behind(make_fake_engine):
     assert e.value.retry_after_s >= 1.0
     assert "b" not in eng.scheduler.requests
     eng.abort("a", now=0.0)
-    assert [o.finish_reason for o in eng.step(now=0.0)] == ["abort"]
+    assert [o.finish_reason for o in eng.step(now=0.0).outputs] == ["abort"]
 
 
 # --- urgent lane --------------------------------------------------------------------------
@@ -242,10 +242,10 @@ def test_config_validation_and_from_dict():
         QueueConfig.from_dict({"levels": [{"name": "x", "cap": 3}]})
     q = AdmissionQueue(cfg)
     r = req("x", 8)
-    q.classify(r)
+    q.resolve(r)
     assert (r.level, r.deadline_ms, r.deadline_kind) == ("high", 200, "hard")
     r = req("y", 2, deadline_ms=50)
-    q.classify(r)
+    q.resolve(r)
     assert (r.level, r.deadline_ms, r.deadline_kind) == ("low", 50, "soft")
 
 

@@ -100,7 +100,7 @@ def tiny_engine(num_blocks: int = 64, **sched) -> LLMEngine:
 def run_all(eng: LLMEngine) -> dict[str, list[int]]:
     done = {}
     while eng.has_unfinished:
-        for out in eng.step():
+        for out in eng.step().outputs:
             if out.finished:
                 done[out.request_id] = out.token_ids
     eng.kv.check_all_free()

@@ -10,7 +10,7 @@ import pytest
 from conftest import FakeExecutor
 
 from batchserve.engine.async_engine import AsyncEngine
-from batchserve.request import RequestError, SamplingParams
+from batchserve.request import RequestError, RequestSpec, SamplingParams
 
 
 class SlowFlakyExecutor(FakeExecutor):
@@ -35,30 +35,32 @@ def test_async_engine_loop(make_fake_engine) -> None:
         while not ae.ready:
             await asyncio.sleep(0.001)
         try:
-            out = await (await ae.add("a", params, prompt=[1, 2, 3])).collect()
+            out = await (await ae.add(RequestSpec(params, [1, 2, 3], request_id="a"))).collect()
             assert (out.finish_reason, len(out.token_ids), out.prompt_token_ids) == ("length", 5, [1, 2, 3])
 
             with pytest.raises(RequestError) as e:  # 1000 tokens cannot fit 64 blocks of 4
-                await ae.add("big", SamplingParams(max_tokens=1000), prompt=[1, 2, 3])
+                await ae.add(RequestSpec(SamplingParams(max_tokens=1000), [1, 2, 3], request_id="big"))
             assert e.value.param == "max_tokens"
 
-            boom, ok = await ae.add("boom", params, prompt=[4, 5]), await ae.add("ok", params, prompt=[6])
+            boom = await ae.add(RequestSpec(params, [4, 5], request_id="boom"))
+            ok = await ae.add(RequestSpec(params, [6], request_id="ok"))
             out = await boom.collect()
             assert out.finish_reason == "error" and "injected fault" in out.error
             out = await ok.collect()  # shared the failed step (error) or ran after it (length)
             assert out.finish_reason in ("error", "length")
-            out = await (await ae.add("after", params, prompt=[7])).collect()
+            out = await (await ae.add(RequestSpec(params, [7], request_id="after"))).collect()
             assert out.finish_reason == "length"  # the engine kept serving
 
-            long = await ae.add("long", SamplingParams(max_tokens=200, ignore_eos=True), prompt=[1, 2, 3])
+            long = await ae.add(RequestSpec(SamplingParams(max_tokens=200, ignore_eos=True), [1, 2, 3],
+                                            request_id="long"))
             first = await long.next()
             assert not first.finished
             ae.abort("long")
             out = await long.collect()
             assert out.finish_reason == "abort" and len(out.token_ids) < 200
 
-            auto = await ae.add("auto", SamplingParams(max_tokens=1, ignore_eos=True), prompt=[1] * 10,
-                                auto_max_tokens=True)
+            auto = await ae.add(RequestSpec(SamplingParams(max_tokens=1, ignore_eos=True), [1] * 10,
+                                            request_id="auto", auto_max_tokens=1024))
             out = await auto.collect()
             assert len(out.token_ids) == 64 * 4 - 10  # the room left in the KV cache
             assert await ae.call(lambda eng: eng.kv.num_free_blocks) == 64

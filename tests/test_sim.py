@@ -62,7 +62,7 @@ def live_batches(cfg: EngineConfig, items: list[WorkItem]) -> tuple[list, dict[s
                 ends[f"r{i}"] = None
             i += 1
         ran = ex.inner.num_steps
-        for out in eng.step():
+        for out in eng.step().outputs:
             if out.finished:
                 ends[out.request_id] = clock.now()
         if ex.inner.num_steps == ran and eng.has_unfinished:

@@ -21,6 +21,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from batchserve.request import DEFAULT_PRIORITY
+
 FAILED_REASONS = frozenset({"abort", "deadline", "rejected", "error"})
 QUANTILES = (50, 90, 99)
 
@@ -35,7 +37,7 @@ class RequestRecord:
 
     id: str
     cls: str = "default"
-    priority: int = 5
+    priority: int = DEFAULT_PRIORITY
     send_time: float = 0.0
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)

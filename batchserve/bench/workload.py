@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from batchserve.bench.arrivals import make_arrivals
+from batchserve.request import DEFAULT_PRIORITY
 
 ORDINARY_IDS = (1000, 30000)  # token-id range with no special tokens in common vocabularies
 
@@ -50,7 +51,7 @@ class WorkItem:
     prompt: str | None
     prompt_token_ids: list[int] | None
     max_tokens: int
-    priority: int = 5
+    priority: int = DEFAULT_PRIORITY
     deadline_ms: float | None = None
     deadline_kind: str | None = None
     cls: str = "default"
@@ -65,7 +66,7 @@ class RequestClass:
     prompt_mean: float
     output_mean: float
     cv: float = 0.5
-    priority: int = 5
+    priority: int = DEFAULT_PRIORITY
     deadline_ms: float | None = None
     deadline_kind: str | None = None
 
@@ -168,7 +169,7 @@ def _from_trace(path: str, n: int, rate: float, rng: np.random.Generator, arriva
             plen = max(1, round(len(text) / 4))  # rough: about 4 characters a token in English
         dl = r.get("deadline_ms")
         items.append(WorkItem(float(t), plen, text, ids, max(1, round(int(r["max_tokens"]) * s)),
-                              int(r.get("priority", 5)), None if dl is None else float(dl) * deadline_scale,
+                              int(r.get("priority", DEFAULT_PRIORITY)), None if dl is None else float(dl) * deadline_scale,
                               r.get("deadline_kind"), str(r.get("cls", r.get("class", "default")))))
     items.sort(key=lambda w: w.arrival)
     return items

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from batchserve.request import SamplingParams
+from batchserve.request import DEFAULT_PRIORITY, FinishReason, SamplingParams
 
 
 @dataclass
@@ -69,6 +69,16 @@ class StepOutput:
     step_time: float = 0.0
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """What one model step ran: its size and the executor's time for it."""
+
+    num_seqs: int
+    num_tokens: int
+    num_sampled: int
+    step_time: float
+
+
 @dataclass
 class RequestOutput:
     """What the caller sees after a step for one request: the new tokens (and text) plus,
@@ -81,7 +91,7 @@ class RequestOutput:
     token_ids: list[int]
     new_token_ids: list[int]
     finished: bool
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     text: str = ""
     new_text: str = ""
     error: str | None = None
@@ -89,7 +99,7 @@ class RequestOutput:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
-    priority: int = 5
+    priority: int = DEFAULT_PRIORITY
     num_preemptions: int = 0
 
 

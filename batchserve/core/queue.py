@@ -79,7 +79,7 @@ class AdmissionQueue:
         """Queue a request without any cap check: re-queueing after preemption."""
         if req.request_id in self._live:
             raise ValueError(f"request {req.request_id} already queued")
-        level = self.classify(req)
+        level = self.resolve(req)
         tok = next(self._tokens)
         entry = (0 if req.urgent else 1, -req.priority, req.arrival_time, tok, req)
         self._live[req.request_id] = entry
@@ -94,22 +94,25 @@ class AdmissionQueue:
             heapq.heappush(self._checks, (-math.inf, tok, req))  # looked at on the next refresh
 
     # --- admission ---------------------------------------------------------------------------
-    def classify(self, req: Request) -> LevelConfig:
-        """The request's level; on first sight also fills its deadline defaults from it."""
+    def resolve(self, req: Request) -> LevelConfig:
+        """The request's level. The first call (when the request enters the scheduler) sets
+        `req.level` and fills the deadline fields the request left unset from the level's
+        defaults; later calls only look the level up."""
+        if req.level is not None:
+            return self.levels[req.level]
         level = self._level_of[req.priority]
-        if req.level != level.name:
-            req.level = level.name
-            if req.deadline_ms is None:
-                req.deadline_ms = level.deadline_ms
-            if req.deadline_kind is None:
-                req.deadline_kind = level.deadline_kind
+        req.level = level.name
+        if req.deadline_ms is None:
+            req.deadline_ms = level.deadline_ms
+        if req.deadline_kind is None:
+            req.deadline_kind = level.deadline_kind
         return level
 
     def offer(self, req: Request, now: float) -> Request | None:
         """Admit a new request under its level's cap. A full level either raises
         OverloadedError (`reject`) or removes and returns its oldest queued request, with
         `error` set, for the caller to end as rejected (`drop_oldest`)."""
-        level = self.classify(req)
+        level = self.resolve(req)
         name = level.name
         dropped = None
         if level.capacity is not None and self._count[name] >= level.capacity:
@@ -242,7 +245,3 @@ class AdmissionQueue:
             if len(side) > bound:
                 side[:] = [e for e in side if self._valid(e[2], e[1])]
                 heapq.heapify(side)
-
-
-# The name the scheduler and older code use.
-WaitQueue = AdmissionQueue

@@ -1,19 +1,23 @@
-"""The scheduler: owns the waiting queue, the running set and the KV bookkeeping.
+"""The scheduler: owns the waiting queue, the running set, the KV bookkeeping and the latency
+model, and is the only code that changes them.
 
     batch = scheduler.schedule(now)            # policy decides who runs, how many tokens each
     output = executor.execute(batch)
     changed = scheduler.update(batch, output, now)
 
-Policies (core/policies/) decide only what differs between batching modes; the helpers here
-(`schedule_running`, `admit`, `preempt`) are shared. Time is always passed in.
+Policies (core/policies/) decide only what differs between batching modes, and build their
+batch through a `StepBuilder` (core/admission.py), the one implementation of "give running
+requests their tokens, then admit from the queue within budget, seats and blocks". Deadline
+rules (core/deadlines.py) return decisions that `apply` carries out. Time is always passed in.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from batchserve.config import QueueConfig, SchedulerConfig
-from batchserve.core import deadlines
+from batchserve.core.admission import StepBuilder, build_seq
 from batchserve.core.batch import ScheduledBatch, ScheduledSeq, StepOutput
+from batchserve.core.deadlines import Decision, DeadlineRules, Miss, length_status
 from batchserve.core.kv_cache import KVCacheManager
 from batchserve.core.latency import LatencyModel, OnlineLinearModel
 from batchserve.core.queue import AdmissionQueue
@@ -25,22 +29,9 @@ if TYPE_CHECKING:
     from batchserve.core.policies.base import Policy
 
 
-def build_seq(req: Request, n: int, block_table: list[int]) -> ScheduledSeq:
-    """The request's next `n` tokens, from its computed count on."""
-    start = req.num_computed_tokens
-    return ScheduledSeq(req.request_id, req.tokens_slice(start, start + n), start, block_table,
-                        start + n == req.num_tokens, req.params, req.num_output_tokens)
-
-
 def priority_order(req: Request) -> tuple[int, float]:
     """Sort key of the running set: higher priority first, then earlier arrival."""
     return (-req.priority, req.arrival_time)
-
-
-def is_decoding(req: Request) -> bool:
-    """The request's KV is complete but for its newest token: its next step is a decode."""
-    c = req.num_computed_tokens  # (num_tokens spelled out: policies call this per request per step)
-    return c > 0 and len(req.prompt_token_ids) + len(req.output_token_ids) - c == 1
 
 
 class Scheduler:
@@ -50,13 +41,14 @@ class Scheduler:
         self.kv = kv
         self.policy = policy
         self.waiting = AdmissionQueue(queue)
-        self.latency: LatencyModel = latency or OnlineLinearModel()  # the engine feeds it step times
-        self.prediction_floor = 0.0  # lowest step prediction the queue's deadline looks rely on
+        self.latency: LatencyModel = latency or OnlineLinearModel()  # fed each step's time by update()
+        self.deadlines = DeadlineRules(config, self.latency)
         self.running: list[Request] = []
         self._order: list[Request] = []  # `running` sorted by priority_order (running_order())
         self._order_of: list[Request] = []  # the `running` that _order was sorted from
         self.requests: dict[str, Request] = {}
-        self.finished_now: list[Request] = []  # finished outside update() since last drain
+        self._finished: list[Request] = []  # finished since the last drain_finished()
+        self._scheduled_at: float | None = None  # when the batch now running was scheduled
         self.num_preemptions = 0
         self.num_steps = 0
 
@@ -67,9 +59,11 @@ class Scheduler:
         a request dropped for this one ends as `rejected`. Ended ones show in the next step."""
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
-        self.waiting.classify(req)  # level defaults (deadline) first: admission checks use them
+        self.waiting.resolve(req)  # level defaults (deadline) first: admission checks use them
         self.requests[req.request_id] = req
-        if deadlines.doomed_at_admission(self, req, now):
+        miss = self.deadlines.at_admission(req, len(self.running), now)
+        if miss is not None:
+            self.apply(miss, now)
             return
         try:
             dropped = self.waiting.offer(req, now)
@@ -90,7 +84,7 @@ class Scheduler:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         if not self.kv.allocate(req.request_id, num_computed, req.max_num_tokens):
             return False
-        self.waiting.classify(req)
+        self.waiting.resolve(req)
         self.requests[req.request_id] = req
         req.num_computed_tokens = num_computed
         req.set_status(RequestStatus.RUNNING)
@@ -106,10 +100,33 @@ class Scheduler:
         self.finish(req, RequestStatus.FINISHED_ABORTED, now)
         return req
 
+    def fail(self, request_ids: list[str], error: str, now: float) -> None:
+        """End each of these requests still here with finish reason "error" and `error`."""
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is not None and not req.finished:
+                req.error = error
+                self.finish(req, RequestStatus.FINISHED_ERROR, now)
+
+    def hand_off(self, request_id: str, now: float) -> Request | None:
+        """The request leaves this scheduler to carry on elsewhere (another engine decodes it,
+        or the caller takes it back): out of every queue, blocks back to the pool, and no
+        output for it here — it is not finished, only no longer this scheduler's."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self._end(req, RequestStatus.HANDED_OFF, now)
+        return req
+
     def finish(self, req: Request, status: RequestStatus, now: float) -> None:
-        """Move a request to a final state, out of every queue, blocks back to the pool."""
+        """Move a request to a final state, out of every queue, blocks back to the pool; its
+        output comes out of the next drain_finished()."""
         if req.finished:
             return
+        self._end(req, status, now)
+        self._finished.append(req)
+
+    def _end(self, req: Request, status: RequestStatus, now: float) -> None:
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
         else:
@@ -118,15 +135,29 @@ class Scheduler:
         req.finish_time = now
         self.kv.free(req.request_id)
         self.requests.pop(req.request_id, None)
-        self.finished_now.append(req)
         self.waiting.metrics.on_finish(req)
+
+    def apply(self, decision: Decision, now: float) -> None:
+        """Carry out a deadline rule's decision."""
+        req = decision.req
+        if isinstance(decision, Miss):
+            req.error = decision.error
+            self.finish(req, RequestStatus.FINISHED_DEADLINE, now)
+            return
+        if decision.max_tokens is not None:
+            if req.max_tokens == req.params.max_tokens:
+                self.waiting.metrics.on_truncate()
+            req.max_tokens = decision.max_tokens  # no `error`: a truncated reply is a success (HTTP 200)
+        if decision.finish:
+            self.finish(req, RequestStatus.FINISHED_TRUNCATED, now)
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        """Requests queued or running, or finished with their outputs not yet drained."""
+        return bool(self.requests) or bool(self._finished)
 
     def drain_finished(self) -> list[Request]:
-        out, self.finished_now = self.finished_now, []
+        out, self._finished = self._finished, []
         return out
 
     def release(self, finished: list[Request], now: float) -> list[Request]:
@@ -136,25 +167,34 @@ class Scheduler:
 
     # --- one step ---------------------------------------------------------------------
     def schedule(self, now: float) -> ScheduledBatch:
+        """The next step's batch (possibly empty), after the deadline rules have run."""
         self.check_deadlines(now)
         batch = self.policy.schedule(self, now)
         self.num_steps += 1
+        self._scheduled_at = None if batch.empty else now
         return batch
 
     def update(self, batch: ScheduledBatch, output: StepOutput, now: float) -> list[Request]:
-        """Apply a step's results: advance counters, append sampled tokens, finish requests
+        """Apply a step's results at its end `now`: feed the latency model the step's time
+        (from its schedule() call), advance counters, append sampled tokens, finish requests
         that hit EOS / a stop token / their length. Returns every request that changed."""
+        if self._scheduled_at is not None:
+            self.latency.observe(batch.num_tokens, batch.num_seqs, now - self._scheduled_at)
+            self._scheduled_at = None
         changed: list[Request] = []
         requests, sampled = self.requests, output.sampled
         commit = self.kv.commit if self.kv.prefix_caching else None  # a no-op without prefix caching
+        after_step = self.deadlines.after_step
         for seq in batch.seqs:
             rid = seq.request_id
             req = requests.get(rid)
             if req is None or req.status is not _RUNNING:
                 continue  # aborted or finished while the step ran
-            if req.deadline_ms is not None and deadlines.missed_during_step(req, now):
-                deadlines.end_hard_miss(self, req, now)  # a result past a hard deadline is a failure
-                continue
+            if req.deadline_ms is not None:
+                miss = after_step(req, now)
+                if miss is not None:  # a result past a hard deadline is a failure
+                    self.apply(miss, now)
+                    continue
             req.num_computed_tokens += len(seq.token_ids)
             if commit is not None:
                 commit(req)
@@ -170,7 +210,7 @@ class Scheduler:
             if (not p.ignore_eos and tok == req.eos_token_id) or tok in p.stop_token_ids:
                 self.finish(req, RequestStatus.FINISHED_STOPPED, now)
             elif len(out_ids) >= req.max_tokens:
-                self.finish(req, deadlines.length_status(req), now)
+                self.finish(req, length_status(req), now)
         self.policy.on_update(self, batch, output, now)
         return changed
 
@@ -179,13 +219,19 @@ class Scheduler:
         """End queued and running hard-deadline requests that missed or cannot make their
         deadline; cut soft-deadline ones to what fits; promote to the urgent lane. Runs at the
         start of every schedule(now); policies may call it again."""
-        deadlines.check_deadlines(self, now)
+        for decision in self.deadlines.before_step(self.waiting, self.running, now):
+            self.apply(decision, now)
 
     def predicted_service(self, req: Request, joining: bool = False) -> float:
         """Seconds the latency model predicts `req` still needs, to its max_tokens."""
-        return deadlines.predicted_service(self, req, joining)
+        return self.deadlines.service(req, len(self.running), joining)
 
     # --- helpers for policies ------------------------------------------------------------
+    def builder(self, now: float, budget: int | None = None) -> StepBuilder:
+        """A fresh batch for the step at `now`, with `budget` tokens (default: the step's
+        max_num_batched_tokens)."""
+        return StepBuilder(self, now, self.config.max_num_batched_tokens if budget is None else budget)
+
     def make_seq(self, req: Request, n: int) -> ScheduledSeq:
         return build_seq(req, n, self.kv.block_table(req.request_id))
 
@@ -208,69 +254,6 @@ class Scheduler:
         req.set_status(RequestStatus.WAITING)
         self.waiting.push(req)
 
-    def schedule_running(self, budget: int, chunk: int | None, out: list[ScheduledSeq],
-                         select: Callable[[Request], bool] | None = None) -> int:
-        """Give each running request its next tokens (1 for a decode, up to `chunk` for an
-        unfinished prompt), preempting the least important when blocks run out. Returns the
-        token budget left. `select` limits which requests are considered (checked as each
-        comes up); requests already in `out` are skipped and never chosen as victims, so a
-        policy may call this more than once per step (e.g. decodes first, then prompt chunks)."""
-        earlier = {s.request_id for s in out} if out else ()  # given tokens by an earlier call this step
-        grow = self.kv.grow
-        bs = self.kv.block_size
-        for req in self.running_order():
-            if req.status is not _RUNNING:
-                continue  # preempted earlier in this loop
-            rid = req.request_id
-            if rid in earlier:
-                continue  # already given tokens
-            if select is not None and not select(req):
-                continue
-            if budget <= 0:
-                break
-            start = req.num_computed_tokens
-            prompt, out_ids = req.prompt_token_ids, req.output_token_ids
-            total = len(prompt) + len(out_ids)
-            seq = req.decode_seq
-            if seq is not None and total - start == 1 and start % bs:
-                # The steady decode (most requests, most steps): one token, and its position is
-                # not the first of a block, so the block is already in the table and the KV
-                # manager is not asked. The seq's table is the live list; a preemption, which
-                # replaces the table, drops the seq.
-                n, table = 1, seq.block_table
-            else:
-                n = min(total - start, budget)
-                if chunk and chunk < n:
-                    n = chunk
-                if n <= 0:
-                    continue
-                table = grow(rid, start + n)
-                while table is None:  # never preempt a request already in `out`
-                    victim = self.pick_victim({s.request_id for s in out} | {rid}) or req
-                    self.preempt(victim)
-                    if victim is req:
-                        break
-                    table = grow(rid, start + n)
-                if table is None:
-                    continue  # preempted itself
-            # build_seq, inlined (this loop runs for every running request every step)
-            end = start + n
-            p = len(prompt)
-            if start >= p:  # decoding: last step's ScheduledSeq of this request, brought up to date
-                toks = out_ids[start - p:end - p]
-                if seq is None:
-                    seq = req.decode_seq = ScheduledSeq(rid, toks, start, table, end == total, req.params,
-                                                        len(out_ids))
-                else:
-                    seq.token_ids, seq.start_pos, seq.block_table = toks, start, table
-                    seq.sample, seq.output_index = end == total, len(out_ids)
-                out.append(seq)
-            else:
-                out.append(ScheduledSeq(rid, req.tokens_slice(start, end), start, table, end == total, req.params,
-                                        len(out_ids)))
-            budget -= n
-        return budget
-
     def running_order(self) -> list[Request]:
         """`running` sorted by priority_order (stable: ties keep their running-set order).
         Sorted again only when `running` has changed since the last call; priority and
@@ -280,11 +263,6 @@ class Scheduler:
             self._order = sorted(run, key=priority_order)
             self._order_of = run.copy()
         return self._order
-
-    def prompt_blocks_owed(self) -> int:
-        """Blocks the running requests still need to finish their prompts (chunked prefill)."""
-        kv = self.kv
-        return sum([kv.num_blocks_needed(r.request_id, r.num_tokens) for r in self.running])
 
     def admit(self, req: Request, n: int, now: float) -> ScheduledSeq | None:
         """Try to move the head-of-queue request into the running set with `n` tokens this step

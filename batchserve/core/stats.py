@@ -160,3 +160,19 @@ class QueueMetrics:
             dropped=sum(lv.dropped for lv in levels.values()), promotions=dict(self.promotions),
             deadline_misses=misses, truncated=self.truncated, finished=finished,
             timeout_rate=sum(misses.values()) / finished if finished else 0.0)
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Engine state at one instant (`LLMEngine.snapshot`), taken between steps: the gauges
+    /metrics reports."""
+
+    waiting: dict[str, int] = field(default_factory=dict)
+    running: int = 0
+    kv_usage: float = 0.0
+    kv_free_blocks: int = 0
+    kv_blocks: int = 0
+    preemptions: int = 0
+    prefix_hit_rate: float = 0.0
+    window_ms: float | None = None
+    max_batch: int | None = None

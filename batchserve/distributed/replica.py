@@ -15,6 +15,7 @@ exports the prompt's K/V, drops the request and returns token and K/V to the rou
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -23,14 +24,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchserve.config import EngineConfig
-from batchserve.core.batch import RequestOutput
-from batchserve.engine.async_engine import AsyncEngine, StepRecord
+from batchserve.core.batch import RequestOutput, StepRecord
+from batchserve.engine.async_engine import AsyncEngine
 from batchserve.engine.request_stream import merge_outputs
-from batchserve.request import SamplingParams
+from batchserve.request import MAX_PRIORITY, MIN_PRIORITY, RequestSpec
 
 log = logging.getLogger(__name__)
 PULL_WAIT_S = 0.5  # a pull with nothing to say returns after this long (carries fresh stats)
-NUM_PRIORITIES = 11
+NUM_PRIORITIES = MAX_PRIORITY - MIN_PRIORITY + 1
 
 
 @dataclass
@@ -109,7 +110,7 @@ class _ReplicaEngine(AsyncEngine):
     def _hand_off(self, outs: list[RequestOutput]) -> list[RequestOutput]:
         """Prefill role: each request that just got its first token leaves here, its K/V with it."""
         engine = self.engine
-        runner = engine.executor.inner
+        runner = engine.executor
         for out in outs:  # each is a request's first token (it leaves here) or its end
             handoff = Handoff(out, 0, 0.0)
             kv = None
@@ -118,10 +119,7 @@ class _ReplicaEngine(AsyncEngine):
                 n = len(out.prompt_token_ids)
                 kv = runner.export_kv(engine.kv.block_table(out.request_id), n).numpy()
                 handoff = Handoff(out, n, time.perf_counter() - t0)
-                engine.abort(out.request_id)  # its blocks go back now; the abort output is dropped
-                engine.scheduler.finished_now = [r for r in engine.scheduler.finished_now
-                                                 if r.request_id != out.request_id]
-                engine._detok.pop(out.request_id, None)
+                engine.hand_off(out.request_id)  # its blocks go back now; it has no more output here
             self._to_loop(self._settle_handoff, out.request_id, handoff, kv)
         return []
 
@@ -170,22 +168,19 @@ class EngineReplica:
             await asyncio.to_thread(self._engine.shutdown)
 
     # --- requests ----------------------------------------------------------------------
-    @staticmethod
-    def _options(options: dict[str, Any], age_s: float, now: float) -> dict[str, Any]:
-        # arrival is sent as an age, not a timestamp: clocks differ between machines
-        return {**options, "now": now - max(0.0, age_s)}
-
-    async def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                  options: dict[str, Any], age_s: float) -> None:
-        """Queue a tokenized request; raises what LLMEngine.add_request raises. In the prefill
-        role the request leaves at its first token: fetch that with `take_handoff`."""
+    async def add(self, spec: RequestSpec, age_s: float) -> None:
+        """Queue a tokenized request (`spec.prompt` is token ids) that arrived `age_s` ago;
+        raises what LLMEngine.add raises. In the prefill role the request leaves at its first
+        token: fetch that with `take_handoff`."""
         eng = self._engine
+        rid = spec.request_id
         if eng.prefill_role:
-            eng.handoffs[request_id] = asyncio.get_running_loop().create_future()
+            eng.handoffs[rid] = asyncio.get_running_loop().create_future()
         try:
-            await eng.add(request_id, params, prompt=prompt_ids, **self._options(options, age_s, eng.now()))
+            # arrival is sent as an age, not a timestamp: clocks differ between machines
+            await eng.add(dataclasses.replace(spec, arrival_time=eng.now() - max(0.0, age_s)))
         except BaseException:
-            eng.handoffs.pop(request_id, None)
+            eng.handoffs.pop(rid, None)
             raise
 
     async def take_handoff(self, request_id: str) -> tuple[Handoff, Any]:
@@ -200,8 +195,7 @@ class EngineReplica:
         finally:
             self._engine.handoffs.pop(request_id, None)
 
-    async def adopt(self, request_id: str, prompt_ids: list[int], first_token: int, params: SamplingParams,
-                    options: dict[str, Any], age_s: float, ttft_s: float, kv: Any) -> float:
+    async def adopt(self, spec: RequestSpec, first_token: int, age_s: float, ttft_s: float, kv: Any) -> float:
         """Decode role: continue a prefilled request from its K/V; returns the import time (s).
         `age_s`: since the request arrived; `ttft_s`: arrival to its first token."""
         import torch
@@ -209,14 +203,16 @@ class EngineReplica:
         eng = self._engine
         now = eng.now()
         arrival = now - max(0.0, age_s)
-        opts = {**options, "now": now, "arrival": arrival, "first_token_time": arrival + max(0.0, ttft_s)}
         with warnings.catch_warnings():  # the object store's array is read-only; it is only read
             warnings.simplefilter("ignore", UserWarning)
             kv_t = torch.from_numpy(kv)
 
         def take(engine: Any) -> float:
             t0 = time.perf_counter()
-            engine.add_prefilled(prompt_ids, first_token, kv_t, params, request_id=request_id, **opts)
+            engine.add_prefilled(spec.prompt, first_token, kv_t, spec.params, now=now, request_id=spec.request_id,
+                                 priority=spec.priority, deadline_ms=spec.deadline_ms,
+                                 deadline_kind=spec.deadline_kind, arrival=arrival,
+                                 first_token_time=arrival + max(0.0, ttft_s))
             return time.perf_counter() - t0
 
         return await eng.call(take)

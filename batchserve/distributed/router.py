@@ -1,7 +1,7 @@
 """`batchserve serve --ray`: engine replicas as Ray actors behind the one HTTP app.
 
-RayEngineClient has the surface the app uses of AsyncEngine (start, ready, add -> RequestStream,
-abort, now, snapshot, shutdown), so routes, errors and metrics are the single-process server's.
+RayEngineClient is an EngineClient, as AsyncEngine is, so routes, errors and metrics are the
+single-process server's.
 In the HTTP process it tokenizes (for prefix-aware routing), places each request on a replica
 (routing.rank: power of two choices on live queue stats, prefix affinity), and runs one `pull`
 loop per replica that brings back outputs, step records and stats.
@@ -30,10 +30,11 @@ from batchserve.core.batch import RequestOutput
 from batchserve.core.kv_cache import prefix_hashes
 from batchserve.distributed.replica import NUM_PRIORITIES, EngineReplica, ReplicaStats
 from batchserve.distributed.routing import PER_WAITING, Candidate, layout, rank
-from batchserve.engine.async_engine import EngineStoppedError, StepRecord
+from batchserve.core.batch import StepRecord
+from batchserve.engine.client import EngineClient, EngineStoppedError
 from batchserve.engine.engine import tokenize
 from batchserve.engine.request_stream import RequestStream
-from batchserve.request import OverloadedError, RequestError, SamplingParams
+from batchserve.request import OverloadedError, RequestError, RequestSpec
 
 log = logging.getLogger(__name__)
 RESTART_POLL_S = 1.0
@@ -87,8 +88,7 @@ class _Track:
     rid: str
     stream: RequestStream
     ids: list[int]
-    params: SamplingParams
-    options: dict[str, Any]
+    spec: RequestSpec  # prompt as token ids, max_tokens resolved, arrival_time unset
     arrival: float  # router clock
     replica: int | None = None
     stage: str = "both"  # both | prefill | decode
@@ -99,7 +99,7 @@ class _Track:
     token_ids: list[int] = field(default_factory=list)
 
 
-class RayEngineClient:
+class RayEngineClient(EngineClient):
     """N engine replicas (or P prefill + D decode workers) on Ray, for server/app.py.
 
     Construct it in the main thread (it connects to Ray, or starts a local Ray, and creates the
@@ -107,7 +107,7 @@ class RayEngineClient:
 
     def __init__(self, config: EngineConfig, *, replicas: int = 1, prefill_workers: int = 0,
                  decode_workers: int = 0, address: str | None = None, replica_cpus: float = 1.0,
-                 replica_gpus: float = 0.0, object_store_mb: int = 512, max_restarts: int = -1, default_max_tokens: int = 1024,
+                 replica_gpus: float = 0.0, object_store_mb: int = 512, max_restarts: int = -1,
                  seed: int | None = None) -> None:
         if (prefill_workers > 0) != (decode_workers > 0):
             raise ConfigError("prefill_workers / decode_workers: disaggregated serving needs both >= 1")
@@ -118,7 +118,6 @@ class RayEngineClient:
         ray = _ray()
         self.config = config
         self.disaggregated = prefill_workers > 0
-        self.default_max_tokens = default_max_tokens
         self.on_step: Callable[[StepRecord], None] | None = None
         self.on_finish: Callable[[RequestOutput], None] | None = None
         self.load_error: BaseException | None = None
@@ -128,7 +127,7 @@ class RayEngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready = False
         self.tokenizer: Any = None
-        self.max_model_len = 0
+        self._max_model_len = 0
         self._room = 0  # tokens one request may span (context and KV pool)
         self.block_size = config.cache.block_size
         self.prefix_routing = config.cache.prefix_caching  # (prefill workers only, when disaggregated)
@@ -157,11 +156,6 @@ class RayEngineClient:
             self.replicas.append(_Replica(key, role, handle))
 
     # --- lifecycle ---------------------------------------------------------------------
-    def attach(self, on_step: Callable[[StepRecord], None] | None,
-               on_finish: Callable[[RequestOutput], None] | None) -> None:
-        """The app's metric callbacks (called on the event loop)."""
-        self.on_step, self.on_finish = on_step, on_finish
-
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self._loop = loop or asyncio.get_running_loop()
         self._boot_task = self._loop.create_task(self._boot())
@@ -179,7 +173,7 @@ class RayEngineClient:
         for r, info in zip(self.replicas, infos):
             r.info, r.up = info, True
             r.task = self._loop.create_task(self._pull_loop(r))
-        self.max_model_len = min(i["max_model_len"] for i in infos)
+        self._max_model_len = min(i["max_model_len"] for i in infos)
         self._room = min(min(i["max_model_len"], i["kv_blocks"] * i["block_size"]) for i in infos)
         self._ready = True
         log.info("ray: %d %s up", len(infos), "workers" if self.disaggregated else "replicas")
@@ -192,6 +186,10 @@ class RayEngineClient:
             return any(r.up for r in self.replicas if r.role == "prefill") and \
                 any(r.up for r in self.replicas if r.role == "decode")
         return any(r.up for r in self.replicas)
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
 
     def now(self) -> float:
         return time.monotonic()
@@ -214,25 +212,27 @@ class RayEngineClient:
             ray.shutdown()
 
     # --- requests ----------------------------------------------------------------------
-    async def add(self, request_id: str, params: SamplingParams, prompt: str | list[int] | None = None,
-                  messages: list[dict] | None = None, auto_max_tokens: bool = False,
-                  **options: Any) -> RequestStream:
+    async def add(self, spec: RequestSpec) -> RequestStream:
         """As AsyncEngine.add: raises RequestError, OverloadedError or EngineStoppedError."""
         if not self.ready:
             raise EngineStoppedError("the model is not loaded yet" if not self._stopping else "shutting down")
-        ids = tokenize(self.tokenizer, prompt, messages)
+        ids = tokenize(self.tokenizer, spec.prompt, spec.messages)
         if not ids:
-            raise RequestError("messages" if messages is not None else "prompt", "must not be empty")
-        if auto_max_tokens:
-            params = dataclasses.replace(params, max_tokens=max(1, min(self.default_max_tokens, self._room - len(ids))))
-        opts = {k: v for k, v in options.items() if v is not None}
-        arrival = opts.pop("now", None) or self.now()
-        t = _Track(request_id, RequestStream(request_id), ids, params, opts, arrival)
-        self._tracks[request_id] = t
+            raise RequestError("messages" if spec.messages is not None else "prompt", "must not be empty")
+        params = spec.params
+        if spec.auto_max_tokens is not None:
+            params = dataclasses.replace(params, max_tokens=max(1, min(spec.auto_max_tokens, self._room - len(ids))))
+        rid = spec.request_id
+        assert rid is not None, "the caller names the request"
+        arrival = spec.arrival_time or self.now()
+        placed = dataclasses.replace(spec, prompt=ids, messages=None, params=params, auto_max_tokens=None,
+                                     arrival_time=None)
+        t = _Track(rid, RequestStream(rid), ids, placed, arrival)
+        self._tracks[rid] = t
         try:
             await self._place(t)
         except BaseException:
-            self._tracks.pop(request_id, None)
+            self._tracks.pop(rid, None)
             raise
         return t.stream
 
@@ -254,7 +254,7 @@ class RayEngineClient:
         pool = [r for r in self.replicas if r.role == role and r.up and r.key not in exclude]
         if not pool:
             raise EngineStoppedError("no replica is up")
-        prio = t.options.get("priority", 5)
+        prio = t.spec.priority
         hashes = prefix_hashes(t.ids, self.block_size) if self.prefix_routing else None
         order = rank([r.candidate() for r in pool], prio, hashes, self._rng, len(t.ids), self.block_size)
         refused: OverloadedError | None = None
@@ -265,7 +265,7 @@ class RayEngineClient:
             entry = (sent, prio, len(t.ids) + PER_WAITING)
             r.pending.append(entry)
             try:
-                await r.handle.add.remote(t.rid, t.ids, t.params, t.options, sent - t.arrival)
+                await r.handle.add.remote(t.spec, sent - t.arrival)
             except BaseException as e:
                 if entry in r.pending:
                     r.pending.remove(entry)
@@ -334,7 +334,7 @@ class RayEngineClient:
         self._deliver(t, RequestOutput(
             request_id=t.rid, prompt_token_ids=t.ids, token_ids=list(t.token_ids), new_token_ids=[],
             finished=True, finish_reason="abort" if t.aborted else "error", error=message,
-            arrival_time=t.arrival, finish_time=now, priority=t.options.get("priority", 5)))
+            arrival_time=t.arrival, finish_time=now, priority=t.spec.priority))
 
     async def _lost(self, t: _Track, r: _Replica, err: BaseException) -> None:
         """`t`'s replica died under it: place it again if the client has seen nothing, else fail it."""
@@ -398,7 +398,7 @@ class RayEngineClient:
         if t.aborted:
             self._fail(t, "aborted")
             return
-        prio = t.options.get("priority", 5)
+        prio = t.spec.priority
         pool = [r for r in self.replicas if r.role == "decode" and r.up]
         order = rank([r.candidate() for r in pool], prio, None, self._rng)
         reason = "no decode worker is up"
@@ -408,8 +408,8 @@ class RayEngineClient:
             entry = (self.now(), prio, PER_WAITING)
             d.pending.append(entry)
             try:
-                import_s = await d.handle.adopt.remote(t.rid, t.ids, out.token_ids[0], t.params, t.options,
-                                                       self.now() - t.arrival, ttft_s, kv_ref)
+                import_s = await d.handle.adopt.remote(t.spec, out.token_ids[0], self.now() - t.arrival, ttft_s,
+                                                       kv_ref)
             except _actor_down_errors() as e:
                 if entry in d.pending:
                     d.pending.remove(entry)

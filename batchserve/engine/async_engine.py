@@ -1,75 +1,54 @@
-"""AsyncEngine: the LLMEngine on a thread of its own, driven from asyncio.
+"""AsyncEngine: the LLMEngine on a thread of its own, driven from asyncio (an EngineClient).
 
 One engine thread owns the LLMEngine and everything under it (scheduler, queue, KV cache). The
-event loop never touches that state: it posts commands (add, abort, call) into an inbox that the
-engine thread drains between steps, and it receives each request's outputs on an asyncio.Queue,
-fed by one `loop.call_soon_threadsafe` per step (not one per token). Tokenization, scheduling,
-the model and detokenization all run on the engine thread, so the event loop stays light.
+event loop never touches that state: it posts typed commands (add, abort, call) into an inbox
+that the engine thread drains between steps, and it receives each request's outputs on an
+asyncio.Queue, fed by one `loop.call_soon_threadsafe` per step (not one per token).
+Tokenization, scheduling, the model and detokenization all run on the engine thread, so the
+event loop stays light.
 """
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
-from batchserve.core.batch import RequestOutput, ScheduledBatch, StepOutput
-from batchserve.engine.engine import LLMEngine
+from batchserve.core.batch import RequestOutput, StepRecord
+from batchserve.core.stats import EngineSnapshot
+from batchserve.engine.client import EngineClient, EngineStoppedError
+from batchserve.engine.engine import LLMEngine, StepFailed
 from batchserve.engine.request_stream import RequestStream
-from batchserve.request import RequestError, RequestStatus, SamplingParams
+from batchserve.request import RequestSpec
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _IDLE_POLL_S = 0.002  # a policy may hold work back (a batching window): look again this soon
 
 
-class EngineStoppedError(RuntimeError):
-    """The engine thread is not running (still loading, failed to load, or shut down)."""
-
-
 @dataclass(frozen=True)
-class StepRecord:
-    """What one model step did, for metrics."""
-
-    num_seqs: int
-    num_tokens: int
-    num_sampled: int
-    step_time: float
-
-
-class _ObservedExecutor:
-    """Passes steps through to the real executor and remembers each batch, so the engine
-    thread knows a step's size and which requests a failed step hit."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.last_batch: ScheduledBatch | None = None
-        self.last_output: StepOutput | None = None
-
-    def __getattr__(self, name: str) -> Any:  # num_blocks, max_model_len, cfg, ...
-        return getattr(self.inner, name)
-
-    def execute(self, batch: ScheduledBatch) -> StepOutput:
-        self.last_batch, self.last_output = batch, None
-        self.last_output = self.inner.execute(batch)
-        return self.last_output
-
-
-@dataclass
 class _Add:
-    request_id: str
-    prompt: str | list[int] | None
-    messages: list[dict] | None
-    params: SamplingParams
-    auto_max_tokens: bool
-    options: dict[str, Any]
+    spec: RequestSpec
     future: asyncio.Future
 
 
-class AsyncEngine:
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Call:
+    fn: Callable[[LLMEngine], Any]
+    future: asyncio.Future
+
+
+_Command = _Add | _Abort | _Call
+
+
+class AsyncEngine(EngineClient):
     """Runs an LLMEngine in a background thread; `add` returns a RequestStream.
 
     `source` is an engine or a factory that builds one (called on the engine thread, so a slow
@@ -78,19 +57,17 @@ class AsyncEngine:
     finished request; they must be quick and thread-safe (prometheus-client metrics are).
     """
 
-    def __init__(self, source: LLMEngine | Callable[[], LLMEngine], *, default_max_tokens: int = 1024,
+    def __init__(self, source: LLMEngine | Callable[[], LLMEngine], *,
                  on_step: Callable[[StepRecord], None] | None = None,
                  on_finish: Callable[[RequestOutput], None] | None = None) -> None:
         self._source = source
-        self.default_max_tokens = default_max_tokens
         self.on_step = on_step
         self.on_finish = on_finish
         self.engine: LLMEngine | None = None
         self.load_error: BaseException | None = None
-        self._executor: _ObservedExecutor | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, RequestStream] = {}  # event-loop side only
-        self._inbox: list[tuple[str, Any]] = []
+        self._inbox: list[_Command] = []
         self._cond = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -126,30 +103,27 @@ class AsyncEngine:
         return self.engine.clock.now() if self.engine is not None else time.monotonic()
 
     # --- the event-loop side -----------------------------------------------------------
-    async def add(self, request_id: str, params: SamplingParams, prompt: str | list[int] | None = None,
-                  messages: list[dict] | None = None, auto_max_tokens: bool = False,
-                  **options: Any) -> RequestStream:
-        """Queue a request. Raises what `LLMEngine.add_request` raises (RequestError,
-        OverloadedError), or EngineStoppedError. With `auto_max_tokens`, max_tokens becomes
-        whatever room the context leaves, up to `default_max_tokens`. `options` are passed on
-        (priority, deadline_ms, deadline_kind, now); None values are left out."""
+    async def add(self, spec: RequestSpec) -> RequestStream:
+        """Queue a request. Raises what `LLMEngine.add` raises (RequestError, OverloadedError),
+        or EngineStoppedError."""
         if not self.ready:
             raise EngineStoppedError("the model is not loaded yet" if not self._stopping else "shutting down")
-        stream = RequestStream(request_id)
-        self._streams[request_id] = stream
+        rid = spec.request_id
+        assert rid is not None, "the caller names the request"
+        stream = RequestStream(rid)
+        self._streams[rid] = stream
         fut = asyncio.get_running_loop().create_future()
-        opts = {k: v for k, v in options.items() if v is not None}
-        self._post("add", _Add(request_id, prompt, messages, params, auto_max_tokens, opts, fut))
+        self._post(_Add(spec, fut))
         try:
             await fut
         except asyncio.CancelledError:
-            self.abort(request_id)  # the caller left while the add was in flight
+            self.abort(rid)  # the caller left while the add was in flight
             raise
         return stream
 
     def abort(self, request_id: str) -> None:
         """End a request now (client gone); its blocks are freed before the next step."""
-        self._post("abort", request_id)
+        self._post(_Abort(request_id))
 
     def abort_all(self) -> None:
         """Abort every request this engine is answering (end of a shutdown grace period)."""
@@ -159,12 +133,15 @@ class AsyncEngine:
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run `fn(engine)` on the engine thread between steps (consistent reads of its state)."""
         fut = asyncio.get_running_loop().create_future()
-        self._post("call", (fn, fut))
+        self._post(_Call(fn, fut))
         return await fut
 
-    def _post(self, kind: str, item: Any) -> None:
+    async def snapshot(self) -> EngineSnapshot:
+        return await self.call(LLMEngine.snapshot)
+
+    def _post(self, command: _Command) -> None:
         with self._cond:
-            self._inbox.append((kind, item))
+            self._inbox.append(command)
             self._cond.notify()
 
     def _deliver(self, outs: list[RequestOutput]) -> None:
@@ -200,8 +177,6 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             engine = self._source() if callable(self._source) else self._source
-            self._executor = _ObservedExecutor(engine.executor)
-            engine.executor = self._executor
             self.engine = engine
         except BaseException as e:  # noqa: BLE001 - reported through /health and the log
             log.exception("engine failed to start")
@@ -215,8 +190,8 @@ class AsyncEngine:
                     self._cond.wait()
                 inbox, self._inbox = self._inbox, []
                 stopping = self._stopping
-            for kind, item in inbox:
-                self._handle(engine, kind, item)
+            for command in inbox:
+                self._handle(engine, command)
             if stopping:
                 self._stop(engine)
                 return
@@ -225,52 +200,42 @@ class AsyncEngine:
                     if not self._inbox and not self._stopping:
                         self._cond.wait(_IDLE_POLL_S)
 
-    def _handle(self, engine: LLMEngine, kind: str, item: Any) -> None:
-        if kind == "abort":
-            engine.abort(item)
-        elif kind == "call":
-            fn, fut = item
+    def _handle(self, engine: LLMEngine, command: _Command) -> None:
+        if isinstance(command, _Abort):
+            engine.abort(command.request_id)
+        elif isinstance(command, _Call):
             try:
-                self._resolve(fut, fn(engine))
+                self._resolve(command.future, command.fn(engine))
             except Exception as e:  # noqa: BLE001 - handed to the caller
-                self._resolve(fut, error=e)
+                self._resolve(command.future, error=e)
         else:
-            self._add(engine, item)
-
-    def _add(self, engine: LLMEngine, a: _Add) -> None:
-        try:
-            ids = engine.tokenize(a.prompt, a.messages)
-            if not ids:
-                raise RequestError("messages" if a.messages is not None else "prompt", "must not be empty")
-            params = a.params
-            if a.auto_max_tokens:
-                room = min(engine.executor.max_model_len, engine.kv.num_blocks * engine.kv.block_size) - len(ids)
-                params = dataclasses.replace(params, max_tokens=max(1, min(self.default_max_tokens, room)))
-            engine.add_request(ids, params, request_id=a.request_id, **a.options)
-        except Exception as e:  # noqa: BLE001 - RequestError / OverloadedError go to the caller
-            self._resolve(a.future, error=e, request_id=a.request_id)
-            return
-        self._resolve(a.future, a.request_id)
+            try:
+                engine.add(command.spec)
+            except Exception as e:  # noqa: BLE001 - RequestError / OverloadedError go to the caller
+                self._resolve(command.future, error=e, request_id=command.spec.request_id)
+                return
+            self._resolve(command.future, command.spec.request_id)
 
     def _step(self, engine: LLMEngine) -> bool:
-        """One engine step; True if the model ran."""
-        ex = self._executor
-        ex.last_batch = None
+        """One engine step; True if the model ran (or tried to)."""
         try:
-            outs = engine.step()
-        except Exception as e:  # noqa: BLE001 - a failed step fails its batch, not the server
+            step = engine.step()
+        except StepFailed as e:  # a failed step fails its batch, not the server
             log.exception("engine step failed")
-            self._fail_batch(engine, ex.last_batch, e)
+            engine.fail(e.request_ids, f"model step failed: {e}")
             return True
-        batch = ex.last_batch
-        if batch is not None:
+        except Exception as e:  # noqa: BLE001 - failed outside the model: end what it may have touched
+            log.exception("engine step failed")
+            sched = engine.scheduler
+            engine.fail([r.request_id for r in sched.running] or list(sched.requests),
+                        f"model step failed: {type(e).__name__}: {e}")
+            return True
+        if step.ran is not None:
             self.num_steps += 1
-        if batch is not None and self.on_step is not None:
-            sampled = sum(1 for s in batch.seqs if s.sample)
-            step_time = ex.last_output.step_time if ex.last_output is not None else 0.0
-            self._notify(self.on_step, StepRecord(batch.num_seqs, batch.num_tokens, sampled, step_time))
-        self._emit(outs)
-        return batch is not None or bool(outs)
+            if self.on_step is not None:
+                self._notify(self.on_step, step.ran)
+        self._emit(step.outputs)
+        return step.ran is not None or bool(step.outputs)
 
     def _emit(self, outs: list[RequestOutput]) -> None:
         if not outs:
@@ -287,22 +252,6 @@ class AsyncEngine:
         except Exception:  # noqa: BLE001 - a metrics bug must not stop the engine
             log.exception("engine callback failed")
 
-    def _fail_batch(self, engine: LLMEngine, batch: ScheduledBatch | None, exc: Exception) -> None:
-        """End the requests a failed step touched (all running ones if the failure came
-        before the model ran, and everything if that is nothing, so the loop cannot spin on
-        the same error). Their outputs (finish reason "error") come out of the next step."""
-        sched = engine.scheduler
-        if batch is not None:
-            ids = [s.request_id for s in batch.seqs]
-        else:
-            ids = [r.request_id for r in sched.running] or list(sched.requests)
-        now = engine.clock.now()
-        for rid in ids:
-            req = sched.requests.get(rid)
-            if req is not None and not req.finished:
-                req.error = f"model step failed: {type(exc).__name__}: {exc}"
-                sched.finish(req, RequestStatus.FINISHED_ERROR, now)
-
     def _stop(self, engine: LLMEngine) -> None:
         for rid in list(engine.scheduler.requests):
             engine.abort(rid)
@@ -310,7 +259,7 @@ class AsyncEngine:
             if not engine.has_unfinished:
                 break
             try:
-                self._emit(engine.step())
+                self._emit(engine.step().outputs)
             except Exception:  # noqa: BLE001 - shutting down anyway
                 log.exception("engine step failed during shutdown")
                 break
@@ -319,8 +268,8 @@ class AsyncEngine:
     def _fail_inbox(self, error: Exception) -> None:
         with self._cond:
             inbox, self._inbox = self._inbox, []
-        for kind, item in inbox:
-            if kind == "add":
-                self._resolve(item.future, error=error, request_id=item.request_id)
-            elif kind == "call":
-                self._resolve(item[1], error=error)
+        for command in inbox:
+            if isinstance(command, _Add):
+                self._resolve(command.future, error=error, request_id=command.spec.request_id)
+            elif isinstance(command, _Call):
+                self._resolve(command.future, error=error)

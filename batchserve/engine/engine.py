@@ -1,19 +1,21 @@
 """LLMEngine: queue + KV bookkeeping + scheduler + executor, one `step()` at a time."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from batchserve.config import EngineConfig
-from batchserve.core.batch import RequestOutput, RunningOutput, ScheduledBatch, StepOutput
+from batchserve.core.batch import RequestOutput, RunningOutput, ScheduledBatch, StepOutput, StepRecord
 from batchserve.core.kv_cache import KVCacheManager
 from batchserve.core.policies import make_policy
 from batchserve.core.scheduler import Scheduler
-from batchserve.core.stats import QueueStats
+from batchserve.core.stats import EngineSnapshot, QueueStats
 from batchserve.engine.clock import WallClock
 from batchserve.engine.detokenizer import DetokState, detokenize_step, find_stop, text_decoder
-from batchserve.request import Request, RequestError, RequestStatus, SamplingParams
+from batchserve.request import DEFAULT_PRIORITY, Request, RequestError, RequestSpec, RequestStatus, SamplingParams
 
 _RUNNING = RequestStatus.RUNNING
 
@@ -25,6 +27,24 @@ class Executor(Protocol):
     max_model_len: int
 
     def execute(self, batch: ScheduledBatch) -> StepOutput: ...
+
+
+@dataclass
+class EngineStep:
+    """What one `LLMEngine.step` did: the outputs for callers, and what the model ran (None
+    when the step ran nothing, e.g. while a batching window is open)."""
+
+    outputs: list[RequestOutput]
+    ran: StepRecord | None = None
+
+
+class StepFailed(RuntimeError):
+    """A model step failed; `request_ids` are the requests its batch held (the scheduler
+    still has them: the caller decides their fate, see `LLMEngine.fail`)."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.request_ids = request_ids
 
 
 def tokenize(tokenizer: Any | None, prompt: str | list[int] | None = None,
@@ -92,25 +112,34 @@ class LLMEngine:
     def tokenize(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None) -> list[int]:
         return tokenize(self.tokenizer, prompt, messages)
 
-    def add_request(self, prompt: str | list[int] | None, params: SamplingParams, now: float | None = None,
-                    request_id: str | None = None, priority: int = 5, deadline_ms: float | None = None,
-                    deadline_kind: str | None = None, messages: list[dict] | None = None) -> Request:
-        """Validate, tokenize and queue a request. Raises RequestError naming the bad field, or
+    def add(self, spec: RequestSpec, now: float | None = None) -> Request:
+        """Tokenize and queue a request. Raises RequestError naming the bad field, or
         OverloadedError (HTTP 503) when its queue level is full and refuses new requests.
-        `deadline_ms` / `deadline_kind` ("hard" | "soft") default to the queue level's. A request
-        that cannot make its hard deadline, or one dropped from a full level for this one, ends
-        in the next step's outputs (finish reason "deadline" / "rejected", with `error`)."""
-        ids = self.tokenize(prompt, messages)
+        `now` (else `spec.arrival_time`, else the clock) is its arrival. A request that cannot
+        make its hard deadline, or one dropped from a full level for this one, ends in the
+        next step's outputs (finish reason "deadline" / "rejected", with `error`)."""
+        ids = self.tokenize(spec.prompt, spec.messages)
         if not ids:
-            raise RequestError("messages" if messages is not None else "prompt", "must not be empty")
-        req = self._new_request(ids, params, now, request_id, priority, deadline_ms, deadline_kind)
+            raise RequestError("messages" if spec.messages is not None else "prompt", "must not be empty")
+        params = spec.params
+        if spec.auto_max_tokens is not None:
+            room = min(self.executor.max_model_len, self.kv.num_blocks * self.kv.block_size) - len(ids)
+            params = dataclasses.replace(params, max_tokens=max(1, min(spec.auto_max_tokens, room)))
+        at = spec.arrival_time if now is None else now
+        req = self._new_request(ids, params, at, spec.request_id, spec.priority, spec.deadline_ms, spec.deadline_kind)
         self.scheduler.add(req, req.arrival_time)
         if self.tokenizer is not None:
             self._detok[req.request_id] = DetokState()
         return req
 
+    def add_request(self, prompt: str | list[int] | None, params: SamplingParams, now: float | None = None,
+                    request_id: str | None = None, priority: int = DEFAULT_PRIORITY, deadline_ms: float | None = None,
+                    deadline_kind: str | None = None, messages: list[dict] | None = None) -> Request:
+        """`add` with the spec's fields as arguments (offline use, tests, simulators)."""
+        return self.add(RequestSpec(params, prompt, messages, request_id, priority, deadline_ms, deadline_kind), now)
+
     def add_prefilled(self, prompt_ids: list[int], first_token: int, kv: Any, params: SamplingParams,
-                      now: float | None = None, request_id: str | None = None, priority: int = 5,
+                      now: float | None = None, request_id: str | None = None, priority: int = DEFAULT_PRIORITY,
                       deadline_ms: float | None = None, deadline_kind: str | None = None,
                       arrival: float | None = None, first_token_time: float | None = None) -> Request:
         """Take over a request another engine prefilled (disaggregated serving): `kv` holds its
@@ -130,8 +159,7 @@ class LLMEngine:
             try:
                 self.executor.import_kv(self.kv.block_table(req.request_id), kv)
             except Exception:
-                self.scheduler.abort(req.request_id, at)
-                self.scheduler.finished_now.remove(req)  # the caller gets the exception instead
+                self.scheduler.hand_off(req.request_id, at)  # back to the caller, with the exception
                 raise
             self.kv.commit(req)
         else:
@@ -162,6 +190,25 @@ class LLMEngine:
     def abort(self, request_id: str, now: float | None = None) -> None:
         self.scheduler.abort(request_id, self.clock.now() if now is None else now)
 
+    def hand_off(self, request_id: str, now: float | None = None) -> None:
+        """The request leaves this engine to carry on elsewhere (disaggregated serving): its
+        blocks are freed and it has no further output here."""
+        self.scheduler.hand_off(request_id, self.clock.now() if now is None else now)
+        self._detok.pop(request_id, None)
+
+    def fail(self, request_ids: list[str], error: str, now: float | None = None) -> None:
+        """End these requests with finish reason "error" and `error` (a failed step); their
+        outputs come out of the next step."""
+        self.scheduler.fail(request_ids, error, self.clock.now() if now is None else now)
+
+    def snapshot(self) -> EngineSnapshot:
+        """The gauges of engine state, read between steps."""
+        sched, kv, policy = self.scheduler, self.kv, self.scheduler.policy
+        return EngineSnapshot(
+            waiting=sched.waiting.lengths_by_level(), running=len(sched.running), kv_usage=kv.usage,
+            kv_free_blocks=kv.num_free_blocks, kv_blocks=kv.num_blocks, preemptions=sched.num_preemptions,
+            prefix_hit_rate=kv.prefix_hit_rate, window_ms=policy.window_ms, max_batch=policy.max_batch)
+
     def queue_stats(self, now: float | None = None) -> QueueStats:
         """Admission-queue metrics (S1.6): per-level lengths, waits, rejections, drops,
         promotions, deadline misses; field names in core/stats.py."""
@@ -169,7 +216,7 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished or bool(self.scheduler.finished_now) or bool(self._held)
+        return self.scheduler.has_unfinished or bool(self._held)
 
     def next_step_due(self, now: float) -> float | None:
         """After a step that ran nothing at `now`: when the next one could run something if
@@ -178,20 +225,27 @@ class LLMEngine:
         return self.scheduler.policy.next_step_due(self.scheduler, now)
 
     # --- the loop -----------------------------------------------------------------------
-    def step(self, now: float | None = None) -> list[RequestOutput]:
+    def step(self, now: float | None = None) -> EngineStep:
         """schedule -> execute -> update. With `now` given, time is virtual: the step ends at
-        now + the executor's step_time; otherwise both ends are read from the clock."""
+        now + the executor's step_time; otherwise both ends are read from the clock. Raises
+        StepFailed, naming the batch's requests, when running the batch fails."""
         start = self.clock.now() if now is None else now
         batch = self.scheduler.schedule(start)
-        changed: list[Request] = []
-        if not batch.empty:
+        if batch.empty:
+            return EngineStep(self._outputs([], start))
+        try:
             output = self.executor.execute(batch)
             end = self.clock.now() if now is None else start + output.step_time
-            self.scheduler.latency.observe(batch.num_tokens, batch.num_seqs, end - start)
             changed = self.scheduler.update(batch, output, end)
             self.num_generated_tokens += len(output.sampled)
-        else:
-            end = start
+            outs = self._outputs(changed, end)
+        except Exception as e:
+            raise StepFailed([s.request_id for s in batch.seqs], e) from e
+        return EngineStep(outs, StepRecord(batch.num_seqs, batch.num_tokens, len(output.sampled), output.step_time))
+
+    def _outputs(self, changed: list[Request], end: float) -> list[RequestOutput]:
+        """The step's outputs: one per running request that got a token, then the finished
+        ones the policy releases."""
         detok = self._detok
         # A running request's output (_output(r, 1, ...), hot: every running request, every step).
         # Requests in `changed` are running or just finished (update ends requests; nothing here
@@ -252,7 +306,7 @@ class LLMEngine:
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
             token_ids=list(req.output_token_ids) if done else req.output_token_ids,
             new_token_ids=req.output_token_ids[-n_new:] if n_new else [], finished=done,
-            finish_reason=req.status.value if done else None,
+            finish_reason=req.status.finish_reason,
             text=st.text if st is not None else "", new_text=new_text, error=req.error,
             arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time,
             first_token_time=req.first_token_time,

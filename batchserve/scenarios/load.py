@@ -5,6 +5,7 @@ import dataclasses
 
 from batchserve.bench.workload import WorkItem, make_workload
 from batchserve.config import LevelConfig, QueueConfig, SchedulerConfig
+from batchserve.request import DEFAULT_PRIORITY
 from batchserve.scenarios import Row, ScenarioResult, require
 from batchserve.scenarios.common import GPU, MODEL, SATURATION_RATE, batch_fill, e2e, engine, rate_of
 from batchserve.sim.cost import RooflineCost
@@ -19,7 +20,7 @@ def priority_flood(requests: int | None, seed: int) -> ScenarioResult:
     step_s, base = 20.0 * n / 8000, 40.0
     items = make_workload("priority-flood", n, base, seed=seed, arrival="step", factors=(1.0, 7.5, 1.0),
                           step_s=step_s)
-    fifo_items = [dataclasses.replace(w, priority=5) for w in items]  # one priority: arrival order only
+    fifo_items = [dataclasses.replace(w, priority=DEFAULT_PRIORITY) for w in items]  # one priority: arrival order only
     fifo = engine("continuous", QueueConfig(urgent_slack_ms=None))
     levels = engine("continuous", QueueConfig(levels=(
         LevelConfig("high", tuple(range(7, 11)), capacity=5000), LevelConfig("mid", (4, 5, 6), capacity=10000),
@@ -102,7 +103,7 @@ def adaptive_window(requests: int | None, seed: int) -> ScenarioResult:
         "service whose per-batch time is much shorter than the gap between requests."]
     return ScenarioResult(
         "adaptive-window", "fixed 50 ms / 32 vs adaptive window + SLO-steered cap, day and night (S2, seed 4.2.3)",
-        [f"chat mix at scale 0.25 (prompt ~50 / output ~50 tokens: short requests, like frame analysis)",
+        ["chat mix at scale 0.25 (prompt ~50 / output ~50 tokens: short requests, like frame analysis)",
          f"fixed: static, window 50 ms, max batch 32; adaptive: dynamic, window 15-120 ms, cap from 32 steered "
          f"by P99 against the SLO ({slo:g} ms, the engine's default)",
          f"day = 90% of the fixed policy's saturation throughput ({cap:.1f} req/s) = {day:.2f} req/s, {n} "

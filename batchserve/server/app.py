@@ -6,6 +6,7 @@ GET /metrics. Every error is OpenAI-shaped JSON (see protocol.APIError).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import time
@@ -21,12 +22,13 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from batchserve.core.batch import RequestOutput
-from batchserve.engine.async_engine import AsyncEngine, EngineStoppedError
+from batchserve.engine.async_engine import AsyncEngine
+from batchserve.engine.client import EngineClient, EngineStoppedError
 from batchserve.engine.engine import LLMEngine
 from batchserve.engine.request_stream import RequestStream
 from batchserve.request import OverloadedError, RequestError
 from batchserve.server.config import ServerConfig
-from batchserve.server.metrics import ServerMetrics, take_snapshot
+from batchserve.server.metrics import ServerMetrics
 from batchserve.server.protocol import APIError, GenerationRequest, bad, parse_generation, parse_json
 from batchserve.server.responses import ChunkWriter, completion_body, output_error, retry_after
 
@@ -64,17 +66,12 @@ class _StreamEnd:
 class ServerState:
     """Everything the routes share: config, engine, metrics, draining flag, in-flight count."""
 
-    def __init__(self, engine_source: LLMEngine | Callable[[], LLMEngine], config: ServerConfig,
-                 model_name: str) -> None:
+    def __init__(self, engine: EngineClient, config: ServerConfig, model_name: str) -> None:
         self.config = config
         self.model_name = model_name
         self.metrics = ServerMetrics()
-        if hasattr(engine_source, "attach"):  # an engine client of its own (distributed.RayEngineClient)
-            self.engine = engine_source
-            self.engine.attach(self.metrics.observe_step, self.metrics.observe_finish)
-        else:
-            self.engine = AsyncEngine(engine_source, default_max_tokens=config.default_max_tokens,
-                                      on_step=self.metrics.observe_step, on_finish=self.metrics.observe_finish)
+        self.engine = engine
+        engine.attach(self.metrics.observe_step, self.metrics.observe_finish)
         self.created = int(time.time())
         self.draining = False
         self.inflight = 0  # generation requests being answered (streams included)
@@ -137,7 +134,7 @@ class ServerState:
         arrival = self.engine.now()
         self.check_auth(request)
         self.check_admission()
-        g = parse_generation(await self.read_json(request), chat)
+        g = parse_generation(await self.read_json(request), chat, self.config.default_max_tokens)
         if g.model != self.model_name:
             raise APIError(404, f"model {g.model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
@@ -168,11 +165,9 @@ class ServerState:
 
     async def _add(self, g: GenerationRequest, rid: str, arrival: float) -> RequestStream:
         try:
-            return await self.engine.add(rid, g.params, prompt=g.prompt, messages=g.messages,
-                                         auto_max_tokens=g.auto_max_tokens, priority=g.priority,
-                                         deadline_ms=g.deadline_ms, deadline_kind=g.deadline_kind, now=arrival)
+            return await self.engine.add(dataclasses.replace(g.spec, request_id=rid, arrival_time=arrival))
         except RequestError as e:
-            raise bad(e.param, str(e).split(": ", 1)[-1]) from None
+            raise bad(e.param, e.message) from None
         except OverloadedError as e:
             self.metrics.rejected.labels("queue_full", e.level or "default").inc()
             raise APIError(503, str(e), code="queue_full", type="overloaded_error",
@@ -215,12 +210,14 @@ class ServerState:
                 await asyncio.sleep(0.05)
 
 
-def create_app(engine_source: LLMEngine | Callable[[], LLMEngine], config: ServerConfig | None = None,
+def create_app(engine: EngineClient | LLMEngine | Callable[[], LLMEngine], config: ServerConfig | None = None,
                model_name: str = "batchserve") -> FastAPI:
-    """The app around an engine (or a factory that builds one on the engine thread: /health
-    answers 503 until it is done). The engine thread runs while the app's lifespan does."""
+    """The app around an engine client, or around an engine (or a factory that builds one on
+    the engine thread: /health answers 503 until it is done) run by an AsyncEngine. The engine
+    runs while the app's lifespan does."""
     config = config or ServerConfig()
-    state = ServerState(engine_source, config, config.served_model_name or model_name)
+    client = engine if isinstance(engine, EngineClient) else AsyncEngine(engine)
+    state = ServerState(client, config, config.served_model_name or model_name)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -288,15 +285,8 @@ def create_app(engine_source: LLMEngine | Callable[[], LLMEngine], config: Serve
     @app.get("/metrics")
     async def metrics() -> Response:
         eng = state.engine
-        if not eng.ready:
-            snapshot = None
-        elif hasattr(eng, "snapshot"):
-            snapshot = await eng.snapshot()
-        else:
-            snapshot = await eng.call(take_snapshot)
-        text = state.metrics.render(snapshot)
-        if hasattr(eng, "metrics_text"):
-            text = text + eng.metrics_text().encode()
+        snapshot = await eng.snapshot() if eng.ready else None
+        text = state.metrics.render(snapshot) + eng.metrics_text().encode()
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -9,49 +9,21 @@ on the engine thread between steps, so a scrape never reads state while it is be
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from batchserve.core.batch import RequestOutput
-from batchserve.engine.async_engine import StepRecord
+from batchserve.core.batch import RequestOutput, StepRecord
+from batchserve.core.stats import EngineSnapshot
+from batchserve.request import FinishReason
 
 log = logging.getLogger("batchserve.requests")
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _TPOT = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 _BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
-_ANSWERED = ("stop", "length", "deadline_truncated")
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """Engine state at one instant, taken on the engine thread."""
-
-    waiting: dict[str, int] = field(default_factory=dict)
-    running: int = 0
-    kv_usage: float = 0.0
-    kv_free_blocks: int = 0
-    kv_blocks: int = 0
-    preemptions: int = 0
-    prefix_hit_rate: float = 0.0
-    window_ms: float | None = None
-    max_batch: int | None = None
-
-
-def take_snapshot(engine: Any) -> EngineSnapshot:
-    """Read the engine's gauges; attributes newer parts may not have yet are optional."""
-    sched = engine.scheduler
-    by_level = getattr(sched.waiting, "lengths_by_level", None)
-    waiting = dict(by_level()) if callable(by_level) else {"default": len(sched.waiting)}
-    policy = sched.policy
-    return EngineSnapshot(
-        waiting=waiting, running=len(sched.running), kv_usage=engine.kv.usage,
-        kv_free_blocks=engine.kv.num_free_blocks, kv_blocks=engine.kv.num_blocks,
-        preemptions=sched.num_preemptions, prefix_hit_rate=engine.kv.prefix_hit_rate,
-        window_ms=getattr(policy, "window_ms", None), max_batch=getattr(policy, "max_batch", None))
+_ANSWERED = frozenset({FinishReason.STOP, FinishReason.LENGTH, FinishReason.TRUNCATED})
 
 
 class _SnapshotCollector:

@@ -1,5 +1,6 @@
 """The OpenAI request side: strict validation of /v1/completions and /v1/chat/completions
-bodies into a GenerationRequest, and APIError, the one exception every route raises.
+bodies into a GenerationRequest (the engine's RequestSpec plus what only HTTP needs), and
+APIError, the one exception every route raises.
 
 Validation is done by hand rather than with pydantic models so that every failure names its
 field (`param`) and types are strict: "5" is not an integer, true is not a number.
@@ -11,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from batchserve.request import RequestError, SamplingParams
+from batchserve.request import DEFAULT_PRIORITY, RequestError, RequestSpec, SamplingParams
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 # Fields we accept only at their "off" value: silently ignoring them would change answers.
@@ -47,19 +48,14 @@ def bad(param: str | None, message: str, code: str = "invalid_value") -> APIErro
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """A validated completion or chat request, ready for AsyncEngine.add."""
+    """A validated completion or chat request: `spec` for the engine (its request id and
+    arrival time are the server's to fill in), the rest for the response."""
 
     chat: bool
     model: str
-    prompt: str | list[int] | None
-    messages: list[dict] | None
-    params: SamplingParams
-    auto_max_tokens: bool  # max_tokens not given: fill the room the context leaves
+    spec: RequestSpec
     stream: bool
     include_usage: bool
-    priority: int | None
-    deadline_ms: float | None
-    deadline_kind: str | None
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -165,8 +161,9 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(v)
 
 
-def parse_generation(body: dict[str, Any], chat: bool) -> GenerationRequest:
-    """Validate a completion (chat=False) or chat completion body; raise APIError (400)."""
+def parse_generation(body: dict[str, Any], chat: bool, default_max_tokens: int = 1024) -> GenerationRequest:
+    """Validate a completion (chat=False) or chat completion body; raise APIError (400). A chat
+    request that sets no max_tokens may use the room its context leaves, up to `default_max_tokens`."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad("model", "is required and must be a string" if model is None else f"must be a string, got {_show(model)}")
@@ -197,21 +194,16 @@ def parse_generation(body: dict[str, Any], chat: bool) -> GenerationRequest:
     if opts is not None and not isinstance(opts, dict):
         raise bad("stream_options", "must be an object")
     include_usage = bool(_bool(opts, "include_usage")) if opts else False
-    deadline_kind = body.get("deadline_kind")
-    if deadline_kind not in (None, "hard", "soft"):
-        raise bad("deadline_kind", f"must be \"hard\" or \"soft\", got {_show(deadline_kind)}")
-    deadline_ms = _num(body, "deadline_ms")
-    if deadline_ms is not None and deadline_ms <= 0:
-        raise bad("deadline_ms", f"must be > 0, got {deadline_ms:g}")
+    priority = body.get("priority")
     try:
         params = SamplingParams(
             max_tokens=max_tokens if max_tokens is not None else (1 if chat else 16),
             temperature=1.0 if temperature is None else temperature, top_p=1.0 if top_p is None else top_p,
             top_k=max(0, top_k or 0), seed=_int(body, "seed"), stop=_stop(body),
             ignore_eos=bool(_bool(body, "ignore_eos")))
+        spec = RequestSpec(params, prompt, messages, priority=DEFAULT_PRIORITY if priority is None else priority,
+                           deadline_ms=body.get("deadline_ms"), deadline_kind=body.get("deadline_kind"),
+                           auto_max_tokens=default_max_tokens if chat and max_tokens is None else None)
     except RequestError as e:
-        raise bad(e.param, str(e).split(": ", 1)[-1]) from None
-    return GenerationRequest(
-        chat=chat, model=model, prompt=prompt, messages=messages, params=params,
-        auto_max_tokens=chat and max_tokens is None, stream=stream, include_usage=include_usage,
-        priority=_int(body, "priority", lo=0, hi=10), deadline_ms=deadline_ms, deadline_kind=deadline_kind)
+        raise bad(e.param, e.message) from None
+    return GenerationRequest(chat=chat, model=model, spec=spec, stream=stream, include_usage=include_usage)

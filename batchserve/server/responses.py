@@ -1,5 +1,5 @@
 """The OpenAI response side: JSON bodies, SSE chunks, and what each finish reason means on
-the wire (by name, so reasons the engine adds later map the same way)."""
+the wire (`FAILURES`: the one table from finish reasons to HTTP errors)."""
 from __future__ import annotations
 
 import json
@@ -7,11 +7,19 @@ import math
 from typing import Any
 
 from batchserve.core.batch import RequestOutput
+from batchserve.request import FinishReason
 from batchserve.server.protocol import APIError
 
 SSE_DONE = b"data: [DONE]\n\n"
-# Finish reasons a client sees as a normal answer; the others become errors.
-OK_REASONS = ("stop", "length", "deadline_truncated")
+_R = FinishReason
+# Finish reasons that are not a normal answer: (HTTP status, what happened, code, type, retry?).
+# Every other reason (stop, length, deadline_truncated) is a 200.
+FAILURES: dict[FinishReason, tuple[int, str, str, str, bool]] = {
+    _R.DEADLINE: (504, "the request's hard deadline was missed", "deadline_exceeded", "timeout_error", False),
+    _R.REJECTED: (503, "the request was dropped from a full queue", "dropped", "overloaded_error", True),
+    _R.ABORT: (503, "the request was aborted (server shutting down)", "aborted", "overloaded_error", True),
+    _R.ERROR: (500, "generation failed", "model_error", "server_error", False),
+}
 
 
 def retry_after(seconds: float) -> dict[str, str]:
@@ -21,21 +29,12 @@ def retry_after(seconds: float) -> dict[str, str]:
 
 def output_error(out: RequestOutput, retry_after_s: float = 1.0) -> APIError | None:
     """The error a finished output stands for, or None if it is a normal answer."""
-    reason = out.finish_reason
-    if reason in OK_REASONS:
+    failure = FAILURES.get(out.finish_reason)  # type: ignore[arg-type]
+    if failure is None:
         return None
+    status, what, code, kind, retry = failure
     detail = f": {out.error}" if out.error else ""
-    if reason == "deadline":
-        return APIError(504, f"the request's hard deadline was missed{detail}", code="deadline_exceeded",
-                        type="timeout_error")
-    if reason == "rejected":
-        return APIError(503, f"the request was dropped from a full queue{detail}", code="dropped",
-                        type="overloaded_error", headers=retry_after(retry_after_s))
-    if reason == "abort":
-        return APIError(503, f"the request was aborted (server shutting down){detail}", code="aborted",
-                        type="overloaded_error", headers=retry_after(retry_after_s))
-    return APIError(500, f"generation failed{detail}", code="model_error" if reason == "error" else reason,
-                    type="server_error")
+    return APIError(status, what + detail, code=code, type=kind, headers=retry_after(retry_after_s) if retry else {})
 
 
 def usage(out: RequestOutput) -> dict[str, int]:

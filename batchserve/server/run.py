@@ -53,8 +53,7 @@ def ray_client(a: argparse.Namespace, engine_cfg, server_cfg):
 
     return RayEngineClient(engine_cfg, replicas=a.replicas, prefill_workers=a.prefill_workers,
                            decode_workers=a.decode_workers, address=a.address, replica_cpus=a.replica_cpus,
-                           replica_gpus=a.replica_gpus, object_store_mb=a.object_store_mb,
-                           default_max_tokens=server_cfg.default_max_tokens)
+                           replica_gpus=a.replica_gpus, object_store_mb=a.object_store_mb)
 
 
 def serve(a: argparse.Namespace) -> int:

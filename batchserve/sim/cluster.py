@@ -38,7 +38,7 @@ from batchserve.bench.workload import WorkItem, make_workload
 from batchserve.config import EngineConfig, SchedulerConfig
 from batchserve.core.batch import RequestOutput
 from batchserve.core.kv_cache import prefix_hashes
-from batchserve.distributed.replica import queued_work
+from batchserve.distributed.replica import NUM_PRIORITIES, queued_work
 from batchserve.distributed.routing import PER_WAITING, Candidate, layout, rank
 from batchserve.engine.clock import SimClock
 from batchserve.engine.engine import LLMEngine
@@ -49,7 +49,6 @@ from batchserve.sim.executor import SimExecutor
 from batchserve.sim.hardware import GPUS, MODELS
 from batchserve.sim.simulator import IDLE_POLL_S, MIN_WAKE_S, SimulationStuck, prompt_ids, record_output
 
-NUM_PRIORITIES = 11
 ROUTINGS = ("rank", "random", "round_robin")
 LINK_BYTES_PER_S = 25e9  # 200 Gb/s InfiniBand
 LINK_LATENCY_S = 50e-6
@@ -299,7 +298,6 @@ class ClusterSimulator:
 
         def deliver(node: _Node, outs: list[RequestOutput], t: float) -> None:
             nonlocal steady_tokens
-            handed: set[str] = set()
             steady = steady_from <= t <= last_arrival
             for out in outs:
                 index = live.get(out.request_id)
@@ -311,15 +309,11 @@ class ClusterSimulator:
                     del live[out.request_id]
                 elif node.role == "prefill" and out.new_token_ids:
                     hand_off(node, index, out, t)
-                    handed.add(out.request_id)
-            if handed:  # the aborts above are hand-offs, not outputs for the client
-                sched = node.engine.scheduler
-                sched.finished_now = [r for r in sched.finished_now if r.request_id not in handed]
 
         def hand_off(node: _Node, index: int, out: RequestOutput, t: float) -> None:
             """The first token is out: free the request here, send its K/V to the decode side."""
             first, n = out.token_ids[0], len(out.prompt_token_ids)
-            node.engine.abort(out.request_id, now=t)
+            node.engine.hand_off(out.request_id, now=t)
             del live[out.request_id]
             nbytes = n * self.kv_bytes
             delay = nbytes / self.link_bytes_per_s + self.link_latency_s
@@ -333,7 +327,7 @@ class ClusterSimulator:
         def step(node: _Node, t: float) -> None:
             eng, ex = node.engine, node.executor
             n_before = ex.num_steps
-            outs = eng.step(now=t)
+            outs = eng.step(now=t).outputs
             if ex.num_steps != n_before:
                 node.busy, node.idle_polls = True, 0
                 node.busy_arriving_s += max(0.0, min(t + ex.last_step_time, last_arrival) - t)

@@ -157,7 +157,7 @@ class Simulator:
         def step(t: float) -> None:
             nonlocal busy, idle_polls, next_sample
             n_before = ex.num_steps
-            outs = eng.step(now=t)
+            outs = eng.step(now=t).outputs
             if ex.num_steps != n_before:
                 if ex.trace is not None:
                     batches.append((t, ex.trace[-1]))

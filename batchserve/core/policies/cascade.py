@@ -18,10 +18,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from batchserve.config import SchedulerConfig
-from batchserve.core.batch import ScheduledBatch, ScheduledSeq
+from batchserve.core.admission import StepBuilder, is_decoding
+from batchserve.core.batch import ScheduledBatch
 from batchserve.core.policies.base import Policy
-from batchserve.core.scheduler import is_decoding
-from batchserve.request import Request, RequestStatus
+from batchserve.request import RequestStatus
 
 if TYPE_CHECKING:
     from batchserve.core.scheduler import Scheduler
@@ -45,21 +45,21 @@ class CascadePolicy(Policy):
         backlog = len(ready) - len(self.decoding)
         prompt_work = (any(not is_decoding(r) for r in sched.running)
                        or (len(sched.waiting) > 0 and len(sched.running) < cfg.max_num_seqs))
-        seqs: list[ScheduledSeq] = []
+        b = sched.builder(now)
         if cfg.cascade_workers:  # both stages every step, on two workers
-            self._decode(sched, seqs)
+            self._decode(sched, b)
             if prompt_work and backlog < cfg.decode_max_batch:
-                self._prefill(sched, seqs, now)
-            return ScheduledBatch(seqs)
+                self._prefill(sched, b)
+            return b.batch()
         want_prefill = prompt_work and (not ready or (self.since_prefill >= cfg.cascade_ratio
                                                        and backlog < cfg.decode_max_batch))
         if want_prefill:
-            self._prefill(sched, seqs, now)
-        if not seqs:  # no prefill wanted, or none fitted: decode instead of idling
-            self._decode(sched, seqs)
-        if not seqs and prompt_work and not want_prefill:
-            self._prefill(sched, seqs, now)
-        return ScheduledBatch(seqs)
+            self._prefill(sched, b)
+        if not b.seqs:  # no prefill wanted, or none fitted: decode instead of idling
+            self._decode(sched, b)
+        if not b.seqs and prompt_work and not want_prefill:
+            self._prefill(sched, b)
+        return b.batch()
 
     def _refresh_decode_set(self, sched: "Scheduler") -> None:
         """Drop finished or preempted members, then fill free slots from the hand-off queue."""
@@ -76,36 +76,22 @@ class CascadePolicy(Policy):
                 self.decoding.append(r.request_id)
                 members.add(r.request_id)
 
-    def _decode(self, sched: "Scheduler", seqs: list[ScheduledSeq]) -> None:
+    def _decode(self, sched: "Scheduler", b: StepBuilder) -> None:
+        """The decode stage: one token for each member of the decode set."""
+        cfg = sched.config
         members = set(self.decoding)
-        n0 = len(seqs)
-        sched.schedule_running(min(sched.config.decode_max_batch, sched.config.max_num_batched_tokens),
-                               None, seqs, select=lambda r: r.request_id in members)
-        if len(seqs) > n0:
+        b.stage(min(cfg.decode_max_batch, cfg.max_num_batched_tokens))
+        b.running(select=lambda r: r.request_id in members)
+        if b.stage_seqs:
             self.num_decode_steps += 1
             self.since_prefill += 1
 
-    def _prefill(self, sched: "Scheduler", seqs: list[ScheduledSeq], now: float) -> None:
+    def _prefill(self, sched: "Scheduler", b: StepBuilder) -> None:
+        """The prefill stage: continued prompts, then new ones, up to `prefill_max_batch`."""
         cfg = sched.config
-        n0 = len(seqs)
-        cap = cfg.prefill_max_batch
-
-        def prompt(r: Request) -> bool:
-            return not is_decoding(r) and len(seqs) - n0 < cap
-
-        budget = sched.schedule_running(cfg.max_num_batched_tokens, None, seqs, select=prompt)
-        while budget > 0 and len(seqs) - n0 < cap and len(sched.running) < cfg.max_num_seqs:
-            req = sched.waiting.peek()
-            if req is None:
-                break
-            n = req.num_tokens - req.num_computed_tokens
-            if budget < n <= cfg.max_num_batched_tokens:
-                break  # whole prompts only; it runs in a later prefill step with a fresh budget
-            seq = sched.admit(req, min(n, budget), now)
-            if seq is None:
-                break
-            seqs.append(seq)
-            budget -= seq.num_tokens
-        if len(seqs) > n0:
+        b.stage(cfg.max_num_batched_tokens)
+        b.running(select=lambda r: not is_decoding(r), max_seqs=cfg.prefill_max_batch)
+        b.admit(whole_prompts=True, max_seqs=cfg.prefill_max_batch)
+        if b.stage_seqs:
             self.num_prefill_steps += 1
             self.since_prefill = 0

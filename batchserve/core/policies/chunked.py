@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from batchserve.core.batch import ScheduledBatch, ScheduledSeq
+from batchserve.core.admission import is_decoding
+from batchserve.core.batch import ScheduledBatch
 from batchserve.core.policies.base import Policy
-from batchserve.core.scheduler import is_decoding
 
 if TYPE_CHECKING:
     from batchserve.core.scheduler import Scheduler
@@ -20,25 +20,9 @@ class ChunkedPolicy(Policy):
     name = "chunked"
 
     def schedule(self, sched: "Scheduler", now: float) -> ScheduledBatch:
-        cfg = sched.config
-        chunk = cfg.chunk_size
-        seqs: list[ScheduledSeq] = []
-        budget = sched.schedule_running(cfg.max_num_batched_tokens, None, seqs, select=is_decoding)
-        budget = sched.schedule_running(budget, chunk, seqs)  # unfinished prompts, a chunk each
-        # Start a prompt only when the free blocks cover all of it beside what the prompts
-        # already under way still need: admitting on the first chunk alone lets many long
-        # prompts start at once and then preempt each other over and over.
-        owed = sched.prompt_blocks_owed()
-        while budget > 0 and len(sched.running) < cfg.max_num_seqs:
-            req = sched.waiting.peek()
-            if req is None:
-                break
-            if sched.kv.num_free_blocks - owed < sched.kv.blocks_for(req.num_tokens):
-                break
-            seq = sched.admit(req, min(chunk, budget, req.num_tokens - req.num_computed_tokens), now)
-            if seq is None:
-                break
-            seqs.append(seq)
-            budget -= seq.num_tokens
-            owed += sched.kv.num_blocks_needed(req.request_id, req.num_tokens)
-        return ScheduledBatch(seqs, total_tokens=cfg.max_num_batched_tokens - budget)
+        chunk = sched.config.chunk_size
+        b = sched.builder(now)
+        b.running(select=is_decoding)
+        b.running(chunk=chunk)  # unfinished prompts, a chunk each
+        b.admit(chunk=chunk, cover_prompts=True)
+        return b.batch()

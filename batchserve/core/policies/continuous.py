@@ -17,19 +17,7 @@ class ContinuousPolicy(Policy):
     name = "continuous"
 
     def schedule(self, sched: "Scheduler", now: float) -> ScheduledBatch:
-        cfg = sched.config
-        seqs = []
-        budget = sched.schedule_running(cfg.max_num_batched_tokens, None, seqs)
-        while budget > 0 and len(sched.running) < cfg.max_num_seqs:
-            req = sched.waiting.peek()
-            if req is None:
-                break
-            n = req.num_tokens - req.num_computed_tokens
-            if budget < n <= cfg.max_num_batched_tokens:
-                break  # whole prompts only; it runs in a later step with a fresh budget
-            seq = sched.admit(req, min(n, budget), now)
-            if seq is None:
-                break
-            seqs.append(seq)
-            budget -= seq.num_tokens
-        return ScheduledBatch(seqs, total_tokens=cfg.max_num_batched_tokens - budget)
+        b = sched.builder(now)
+        b.running()
+        b.admit(whole_prompts=True)  # a cut prompt would run in a later step with a fresh budget
+        return b.batch()

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterable
 
 from batchserve.config import SchedulerConfig
-from batchserve.core.batch import ScheduledBatch, ScheduledSeq
+from batchserve.core.batch import ScheduledBatch
 from batchserve.core.policies.base import Policy
 from batchserve.request import Request, RequestStatus
 
@@ -74,25 +74,17 @@ class RequestLevelPolicy(Policy):
             if not self.should_launch(sched, now):
                 return ScheduledBatch()
             self._form(sched, now)
-        seqs: list[ScheduledSeq] = []
-        budget = sched.schedule_running(sched.config.max_num_batched_tokens, None, seqs,
-                                        select=lambda r: r.request_id in self._member_ids)
-        for req in self.members:  # not admitted yet: the step budget ran out before them
-            if budget <= 0:
-                break
-            if req.status != RequestStatus.WAITING or req.request_id not in sched.requests:
-                continue
-            seq = sched.admit(req, min(req.num_tokens - req.num_computed_tokens, budget), now)
-            if seq is None:
-                break
-            seqs.append(seq)
-            budget -= seq.num_tokens
+        b = sched.builder(now)
+        b.running(select=lambda r: r.request_id in self._member_ids)
+        # members not admitted yet (the step budget ran out before them), in batch order
+        b.admit((r for r in self.members if r.status is RequestStatus.WAITING and r.request_id in sched.requests))
+        seqs = b.seqs
         done = sum(1 for r in self.members if r.request_id not in sched.requests)
         padding = self._pending_padding + (done if seqs else 0)
         self._pending_padding = 0
         self.padding_tokens += padding
-        self.useful_tokens += sum(s.num_tokens for s in seqs)
-        return ScheduledBatch(seqs, num_padding_tokens=padding)
+        self.useful_tokens += b.spent
+        return b.batch(num_padding_tokens=padding)
 
     def release(self, sched: "Scheduler", finished: list[Request], now: float) -> list[Request]:
         out = []

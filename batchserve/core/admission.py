@@ -1,0 +1,178 @@
+"""Building one step's batch: the admission surface every policy is written against.
+
+A policy decides who is considered and in what order; a `StepBuilder` decides what fits. It
+holds the step's token budget and its list of `ScheduledSeq`s, and offers three moves:
+
+    b = sched.builder(now)
+    b.running(select=is_decoding)     # decodes: one token per running request whose prompt is done
+    b.running(chunk=256)              # continue unfinished prompts, a chunk each
+    b.admit(chunk=256, cover_prompts=True)   # then start waiting requests, in queue order
+    return b.batch()
+
+Each move spends the budget; `admit` also respects the seat cap (`max_num_seqs`) and the free
+KV blocks, and `running` preempts the least important request when blocks run out. A stage
+(`stage(budget)`) starts a fresh budget and seat count for policies that batch stages apart.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Iterable
+
+from batchserve.core.batch import ScheduledBatch, ScheduledSeq
+from batchserve.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from batchserve.core.scheduler import Scheduler
+
+_RUNNING = RequestStatus.RUNNING
+
+
+def build_seq(req: Request, n: int, block_table: list[int]) -> ScheduledSeq:
+    """The request's next `n` tokens, from its computed count on."""
+    start = req.num_computed_tokens
+    return ScheduledSeq(req.request_id, req.tokens_slice(start, start + n), start, block_table,
+                        start + n == req.num_tokens, req.params, req.num_output_tokens)
+
+
+def is_decoding(req: Request) -> bool:
+    """The request's KV is complete but for its newest token: its next step is a decode."""
+    c = req.num_computed_tokens  # (num_tokens spelled out: policies call this per request per step)
+    return c > 0 and len(req.prompt_token_ids) + len(req.output_token_ids) - c == 1
+
+
+class StepBuilder:
+    """One step's batch under construction (see the module docstring). `seqs` is the batch so
+    far, `budget` the tokens left in the current stage, `stage_seqs` the seqs added in it."""
+
+    def __init__(self, sched: "Scheduler", now: float, budget: int) -> None:
+        self.sched = sched
+        self.now = now
+        self.seqs: list[ScheduledSeq] = []
+        self.budget = budget
+        self.spent = 0
+        self._stage_start = 0
+
+    @property
+    def stage_seqs(self) -> int:
+        return len(self.seqs) - self._stage_start
+
+    def stage(self, budget: int) -> None:
+        """Start a new stage: `budget` tokens, its own count of seqs."""
+        self.budget = budget
+        self._stage_start = len(self.seqs)
+
+    def batch(self, num_padding_tokens: int = 0) -> ScheduledBatch:
+        return ScheduledBatch(self.seqs, num_padding_tokens=num_padding_tokens, total_tokens=self.spent)
+
+    def _spend(self, n: int) -> None:
+        self.budget -= n
+        self.spent += n
+
+    # --- running requests ------------------------------------------------------------------
+    def running(self, chunk: int | None = None, select: Callable[[Request], bool] | None = None,
+                max_seqs: int | None = None) -> None:
+        """Give each running request its next tokens (1 for a decode, up to `chunk` for an
+        unfinished prompt), most important first, preempting the least important when blocks
+        run out. `select` limits which requests are considered (checked as each comes up);
+        `max_seqs` caps this stage's seqs. Requests already in the batch are skipped and never
+        chosen as victims, so a policy may call this more than once (decodes, then prompts)."""
+        sched = self.sched
+        out = self.seqs
+        budget = self.budget
+        earlier = {s.request_id for s in out} if out else ()  # given tokens by an earlier call this step
+        cap = None if max_seqs is None else self._stage_start + max_seqs
+        grow = sched.kv.grow
+        bs = sched.kv.block_size
+        for req in sched.running_order():
+            if req.status is not _RUNNING:
+                continue  # preempted earlier in this loop
+            rid = req.request_id
+            if rid in earlier:
+                continue  # already given tokens
+            if cap is not None and len(out) >= cap:
+                continue
+            if select is not None and not select(req):
+                continue
+            if budget <= 0:
+                break
+            start = req.num_computed_tokens
+            prompt, out_ids = req.prompt_token_ids, req.output_token_ids
+            total = len(prompt) + len(out_ids)
+            seq = req.decode_seq
+            if seq is not None and total - start == 1 and start % bs:
+                # The steady decode (most requests, most steps): one token, and its position is
+                # not the first of a block, so the block is already in the table and the KV
+                # manager is not asked. The seq's table is the live list; a preemption, which
+                # replaces the table, drops the seq.
+                n, table = 1, seq.block_table
+            else:
+                n = min(total - start, budget)
+                if chunk and chunk < n:
+                    n = chunk
+                if n <= 0:
+                    continue
+                table = grow(rid, start + n)
+                while table is None:  # never preempt a request already in `out`
+                    victim = sched.pick_victim({s.request_id for s in out} | {rid}) or req
+                    sched.preempt(victim)
+                    if victim is req:
+                        break
+                    table = grow(rid, start + n)
+                if table is None:
+                    continue  # preempted itself
+            # build_seq, inlined (this loop runs for every running request every step)
+            end = start + n
+            p = len(prompt)
+            if start >= p:  # decoding: last step's ScheduledSeq of this request, brought up to date
+                toks = out_ids[start - p:end - p]
+                if seq is None:
+                    seq = req.decode_seq = ScheduledSeq(rid, toks, start, table, end == total, req.params,
+                                                        len(out_ids))
+                else:
+                    seq.token_ids, seq.start_pos, seq.block_table = toks, start, table
+                    seq.sample, seq.output_index = end == total, len(out_ids)
+                out.append(seq)
+            else:
+                out.append(ScheduledSeq(rid, req.tokens_slice(start, end), start, table, end == total, req.params,
+                                        len(out_ids)))
+            budget -= n
+        self.spent += self.budget - budget
+        self.budget = budget
+
+    # --- admission from the queue ----------------------------------------------------------
+    def admit(self, candidates: Iterable[Request] | None = None, *, chunk: int | None = None,
+              whole_prompts: bool = False, max_seqs: int | None = None, cover_prompts: bool = False) -> int:
+        """Start waiting requests — the queue's head first, or `candidates` in their order —
+        while the budget, the seat cap (`max_num_seqs` running) and the KV blocks allow; stop at
+        the first that does not fit, so the order is kept. Each gets the rest of its prompt
+        (after any cached prefix), cut to `chunk` and to the budget left. `whole_prompts`: a
+        prompt that would fit a fresh step but not what is left waits for the next step rather
+        than be cut. `max_seqs` caps this stage's seqs. `cover_prompts`: start a prompt only when
+        the free blocks cover all of it beside what the prompts under way still owe (starting
+        on the first chunk alone lets many long prompts start and then preempt each other).
+        Candidates must be waiting requests. Returns how many were admitted."""
+        sched = self.sched
+        cfg = sched.config
+        kv = sched.kv
+        cap = None if max_seqs is None else self._stage_start + max_seqs
+        owed = sum([kv.num_blocks_needed(r.request_id, r.num_tokens) for r in sched.running]) \
+            if cover_prompts else 0
+        it = iter(candidates) if candidates is not None else None
+        admitted = 0
+        while self.budget > 0 and len(sched.running) < cfg.max_num_seqs and (cap is None or len(self.seqs) < cap):
+            req = sched.waiting.peek() if it is None else next(it, None)
+            if req is None:
+                break
+            n = req.num_tokens - req.num_computed_tokens
+            if whole_prompts and self.budget < n <= cfg.max_num_batched_tokens:
+                break
+            if cover_prompts and kv.num_free_blocks - owed < kv.blocks_for(req.num_tokens):
+                break
+            seq = sched.admit(req, min(n, self.budget) if chunk is None else min(chunk, self.budget, n), self.now)
+            if seq is None:
+                break
+            self.seqs.append(seq)
+            self._spend(seq.num_tokens)
+            admitted += 1
+            if cover_prompts:
+                owed += kv.num_blocks_needed(req.request_id, req.num_tokens)
+        return admitted

@@ -1,0 +1,77 @@
+"""EngineClient: what the HTTP server needs of an engine, whether it runs on a thread of this
+process (`AsyncEngine`) or as replicas elsewhere (`distributed.RayEngineClient`).
+
+All methods are called from the event loop; `start` is called once, inside it.
+"""
+from __future__ import annotations
+
+import abc
+import asyncio
+from typing import Callable
+
+from batchserve.core.batch import RequestOutput, StepRecord
+from batchserve.core.stats import EngineSnapshot
+from batchserve.engine.request_stream import RequestStream
+from batchserve.request import RequestSpec
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine is not running (still loading, failed to load, or shut down)."""
+
+
+class EngineClient(abc.ABC):
+    """An engine as the server sees it.
+
+    `load_error` is the exception that stopped the engine from starting (None otherwise);
+    `ready` is True once it serves. `on_step` / `on_finish` (set by `attach`) are called for each
+    model step and each finished request; they must be quick and thread-safe."""
+
+    load_error: BaseException | None = None
+    on_step: Callable[[StepRecord], None] | None = None
+    on_finish: Callable[[RequestOutput], None] | None = None
+
+    def attach(self, on_step: Callable[[StepRecord], None] | None,
+               on_finish: Callable[[RequestOutput], None] | None) -> None:
+        """The server's metric callbacks."""
+        self.on_step, self.on_finish = on_step, on_finish
+
+    @abc.abstractmethod
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Start serving; outputs are delivered on `loop` (default: the running one)."""
+
+    @abc.abstractmethod
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort what is left and stop (blocking)."""
+
+    @property
+    @abc.abstractmethod
+    def ready(self) -> bool: ...
+
+    @property
+    @abc.abstractmethod
+    def max_model_len(self) -> int: ...
+
+    @abc.abstractmethod
+    def now(self) -> float:
+        """The engine clock (monotonic seconds): the time base of `RequestSpec.arrival_time`."""
+
+    @abc.abstractmethod
+    async def add(self, spec: RequestSpec) -> RequestStream:
+        """Queue a request (`spec.request_id` set). Raises RequestError, OverloadedError or
+        EngineStoppedError."""
+
+    @abc.abstractmethod
+    def abort(self, request_id: str) -> None:
+        """End a request now (the client left)."""
+
+    @abc.abstractmethod
+    def abort_all(self) -> None:
+        """Abort every request being answered (the end of a shutdown grace period)."""
+
+    @abc.abstractmethod
+    async def snapshot(self) -> EngineSnapshot:
+        """Engine state for the /metrics gauges."""
+
+    def metrics_text(self) -> str:
+        """Prometheus text of metrics of the client's own, appended to /metrics."""
+        return ""
