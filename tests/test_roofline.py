@@ -49,9 +49,9 @@ def test_stored_weight_bytes_count_gguf_blocks_at_their_packed_size():
     import torch
 
     from batchserve.bench.roofline import stored_weight_bytes
-    from batchserve.profile import TINY_MODEL
     from batchserve.runner.kernels import gemm_ext
     from batchserve.runner.models.llama import LlamaModel
+    from batchserve.runner.profiler import TINY_MODEL
 
     if gemm_ext() is None:
         pytest.skip("no C++ toolchain")

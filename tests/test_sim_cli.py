@@ -95,7 +95,7 @@ def test_fidelity_on_a_tiny_model(tmp_path) -> None:
     within 10%; P50 latency only within a factor of two, because a ~1 ms model step on a
     shared box is at the mercy of the OS scheduler (the full-size run on a quiet machine
     holds the issue's 10% / 15%)."""
-    from batchserve.profile import run_profile, save
+    from batchserve.runner.profiler import run_profile, save
     from batchserve.sim.fidelity import run_fidelity
 
     model = {"vocab_size": 512, "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 2,

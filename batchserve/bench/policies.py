@@ -29,8 +29,8 @@ from batchserve.bench.workload import WorkItem, make_workload
 from batchserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from batchserve.core.batch import ScheduledBatch, StepOutput
 from batchserve.engine.engine import LLMEngine
-from batchserve.profile import TINY_MODEL
 from batchserve.request import SamplingParams
+from batchserve.runner.profiler import TINY_MODEL
 
 # per-policy settings: the seed's figures where it gives them (static: 200 ms window, 32 per
 # batch; cascade: prefill 64 / decode 16), otherwise the config defaults

@@ -164,7 +164,7 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from batchserve.profile import run_profile, save
+    from batchserve.runner.profiler import run_profile, save
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=ModelConfig.model)
