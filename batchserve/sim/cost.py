@@ -137,7 +137,7 @@ class ProfiledCost:
     A step is `runner_time * scale + overhead_s`: `overhead_s` is the engine's own host time
     (scheduling, bookkeeping), which the profile, timing the runner alone, leaves out; `scale`
     corrects for a machine that runs slower or faster now than when profiled
-    (`sim.fidelity` measures both on a warm-up run).
+    (`benchmarks.fidelity` measures both on a warm-up run).
     """
 
     def __init__(self, path: str, num_blocks: int | None = None, kv_cache_gb: float | None = None,

@@ -3,7 +3,7 @@ prompts' next-token rows, repeated to the batch size), for greedy and the usual 
 then the 64-request offline workload (as in the foundation section) sampled with temperature 0.7
 and top_p 0.9, whose output rate reads against the greedy one of the foundation section.
 
-    python -m batchserve.bench.sampling --out BENCHMARKS.md
+    python -m benchmarks.sampling --out BENCHMARKS.md
 """
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ import time
 
 import torch
 
-from batchserve.bench.foundation import publish
-from batchserve.bench.roofline import median_time
 from batchserve.request import SamplingParams
 from batchserve.runner.sampler import sample
+from benchmarks.report_md import publish
+from benchmarks.roofline import median_time
 
 TITLE = "## Sampling cost per step"
 SETTINGS = {
@@ -31,11 +31,11 @@ SETTINGS = {
 
 def chat_logits() -> torch.Tensor:
     """The default model's next-token logits after each of the 24 chat prompts, [24, V]."""
-    from batchserve.bench.variants import QUESTIONS
     from batchserve.core.batch import ScheduledBatch, ScheduledSeq
     from batchserve.core.kv_cache import KVCacheManager
     from batchserve.engine.engine import tokenize
     from batchserve.llm import LLM
+    from benchmarks.variants import QUESTIONS
 
     llm = LLM(kv_cache_gb=0.25)
     runner = llm.engine.executor
@@ -52,8 +52,8 @@ def chat_logits() -> torch.Tensor:
 def sampled_workload(requests: int) -> float:
     """Output tok/s of the offline workload sampled with temperature 0.7 / top_p 0.9 (seeded),
     after a four-request warm-up in the same engine."""
-    from batchserve.bench.foundation import offline_workload
     from batchserve.llm import LLM
+    from benchmarks.foundation import offline_workload
 
     llm = LLM(kv_cache_gb=2.0, max_num_seqs=64, max_num_batched_tokens=2048)
     eng = llm.engine
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             t = median_time(lambda: sample(logits, params, idx, g), 9)
             cells.append(f"{t * 1e3:.2f} ms")
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
-    text = (f"{TITLE}\n\n`python -m batchserve.bench.sampling`, {datetime.datetime.now():%Y-%m-%d %H:%M}; "
+    text = (f"{TITLE}\n\n`python -m benchmarks.sampling`, {datetime.datetime.now():%Y-%m-%d %H:%M}; "
             f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} "
             f"threads. `sample()` per step on SmolLM2's logits (vocabulary {base.shape[1]}), all rows with the "
             "setting; median of 9.\n\n"
