@@ -34,29 +34,29 @@ test: $(STAMP)
 bench: bench-engine bench-http bench-ray
 
 bench-engine: $(STAMP)
-	$(PY) -m batchserve.bench.foundation --out BENCHMARKS.md $(ARGS)
-	$(PY) -m batchserve.bench.foundation --matmul-dtype float32 --skip-hf --out BENCHMARKS.md
-	$(PY) -m batchserve.bench.foundation --matmul-dtype int8 --skip-hf --out BENCHMARKS.md
-	$(PY) -m batchserve.bench.foundation --kv-cache-dtype int8 --skip-hf --out BENCHMARKS.md
-	$(PY) -m batchserve.bench.policies --out BENCHMARKS.md
-	$(PY) -m batchserve.sim.fidelity --requests 60 --scale 0.5 --out BENCHMARKS.md
-	$(PY) -m batchserve.bench.matmul_variants --out BENCHMARKS.md
-	$(PY) -m batchserve.bench.variants --out BENCHMARKS.md
-	$(PY) -m batchserve.bench.attention_kernel --out BENCHMARKS.md
-	$(PY) -m batchserve.bench.prefill_attention --out BENCHMARKS.md
-	$(PY) -m batchserve.bench.http_offline --out BENCHMARKS.md
-	$(PY) -m batchserve.bench.sampling --out BENCHMARKS.md
-	$(PY) -m batchserve.sim.speed
-	$(PY) -m batchserve.sim.cluster --out BENCHMARKS.md
+	$(PY) -m benchmarks.foundation --out BENCHMARKS.md $(ARGS)
+	$(PY) -m benchmarks.foundation --matmul-dtype float32 --skip-hf --out BENCHMARKS.md
+	$(PY) -m benchmarks.foundation --matmul-dtype int8 --skip-hf --out BENCHMARKS.md
+	$(PY) -m benchmarks.foundation --kv-cache-dtype int8 --skip-hf --out BENCHMARKS.md
+	$(PY) -m benchmarks.policies --out BENCHMARKS.md
+	$(PY) -m benchmarks.fidelity --requests 60 --scale 0.5 --out BENCHMARKS.md
+	$(PY) -m benchmarks.matmul_variants --out BENCHMARKS.md
+	$(PY) -m benchmarks.variants --out BENCHMARKS.md
+	$(PY) -m benchmarks.attention_kernel --out BENCHMARKS.md
+	$(PY) -m benchmarks.prefill_attention --out BENCHMARKS.md
+	$(PY) -m benchmarks.http_offline --out BENCHMARKS.md
+	$(PY) -m benchmarks.sampling --out BENCHMARKS.md
+	$(PY) -m benchmarks.speed
+	$(PY) -m benchmarks.cluster_projection --out BENCHMARKS.md
 
 # 1 vs 2 replicas and prefill/decode workers on Ray, live over HTTP (about 8 minutes).
 bench-ray: $(STAMP)
-	$(PY) -m batchserve.bench.ray_bench --rates 1.0,3.0,6.0 --requests 40 --out BENCHMARKS.md
+	$(PY) -m benchmarks.ray_bench --rates 1.0,3.0,6.0 --requests 40 --out BENCHMARKS.md
 
 # Every policy served over HTTP on the standard workloads: docs/bench/REPORT.md with the tables
 # and plots that BENCHMARKS.md links (about an hour here).
 bench-http: $(STAMP)
-	$(PY) -m batchserve.bench.standard --out-dir docs/bench --max-duration 120
+	$(PY) -m benchmarks.standard --out-dir docs/bench --max-duration 120
 
 # The 64-request workload through llama.cpp's server and through `serve`, alternating (about 8
 # minutes), after building llama-server from the llama.cpp source that llama-cpp-python's PyPI
@@ -75,7 +75,7 @@ $(LLAMA_SERVER): | $(STAMP)
 	cmake --build $(LLAMA_DIR)/build --parallel $$(nproc) --target llama-server
 
 bench-llamacpp: $(STAMP) $(LLAMA_SERVER)
-	$(PY) -m batchserve.bench.vs_llamacpp --llama-server $(LLAMA_SERVER) --out BENCHMARKS.md -- -fa off
+	$(PY) -m benchmarks.vs_llamacpp --llama-server $(LLAMA_SERVER) --out BENCHMARKS.md -- -fa off
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -207,7 +207,7 @@ def add_simulate_parser(sub: argparse._SubParsersAction, common: argparse.Argume
 def cmd_profile(a: argparse.Namespace) -> int:
     import dataclasses
 
-    from batchserve.profile import TINY_MODEL, report, run_profile, save
+    from batchserve.runner.profiler import TINY_MODEL, report, run_profile, save
 
     cfg = engine_config(a)
     if a.quick:  # a tiny random model and a small grid: seconds, for tests and smoke checks

@@ -221,7 +221,7 @@ def test_parse_metrics_tolerates_other_servers():
 def test_vs_llamacpp_refuses_a_missing_server_binary_by_name(tmp_path, capsys):
     import pytest
 
-    from batchserve.bench import vs_llamacpp
+    from benchmarks import vs_llamacpp
 
     not_exec = tmp_path / "llama-server"
     not_exec.write_text("")  # exists, not executable

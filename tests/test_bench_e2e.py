@@ -28,7 +28,7 @@ def _check_png(path: str) -> None:
 
 @pytest.fixture(scope="module")
 def server_url(tmp_path_factory):
-    from batchserve.bench.standard import running_server
+    from benchmarks.standard import running_server
 
     log = str(tmp_path_factory.mktemp("server") / "server.log")
     try:

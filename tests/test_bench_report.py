@@ -85,7 +85,7 @@ def test_write_section_replaces_only_the_section_with_that_heading(tmp_path):
     """A section is found by its heading at the start of a line: '## X' replaces '## X ...' up to
     the next '## ', never starting inside a '### X ...' subsection; a missing one is appended.
     What follows the section's KEEP_MARK (readings written by hand) survives a rerun."""
-    from batchserve.bench.foundation import KEEP_MARK, write_section
+    from benchmarks.report_md import KEEP_MARK, write_section
 
     p = tmp_path / "b.md"
     p.write_text("# B\n\n## A\n\na\n\n### X history\n\nkept\n\n## X (old run)\n\nold\n\n## C\n\nc\n")

@@ -11,13 +11,13 @@ import torch.nn.functional as F
 from batchserve.config import CacheConfig, ConfigError, ModelConfig
 from batchserve.core.batch import ScheduledBatch, ScheduledSeq
 from batchserve.core.kv_cache import KVCacheManager
-from batchserve.profile import TINY_MODEL
 from batchserve.request import SamplingParams
 from batchserve.runner.attention import gather_slots
 from batchserve.runner.kernels import fused_ops_ext, paged_attention_ext
 from batchserve.runner.loader import load_model
 from batchserve.runner.model_runner import ModelRunner
 from batchserve.runner.models.llama import apply_rope
+from batchserve.runner.profiler import TINY_MODEL
 
 GREEDY = SamplingParams(temperature=0.0)
 

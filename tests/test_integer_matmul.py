@@ -223,9 +223,9 @@ def test_smollm2_in_integer_modes_stays_close_to_float32():
     and decode steps): with int16 activations the logits are within 0.1 % of float32's and every
     next token is the same; with int8 (llama.cpp's rounding) nearly every next token is, the
     logits within a few percent. Both still know the capital of France."""
-    from batchserve.bench.variants import QUESTIONS, forced_logits
     from batchserve.engine.engine import tokenize
     from batchserve.llm import LLM
+    from benchmarks.variants import QUESTIONS, forced_logits
 
     # a float32 cache for all three: only the products differ
     llms = {mm: LLM(matmul_dtype=mm, kv_cache_gb=0.05, kv_cache_dtype="float32") for mm in ("float32", "int8", "int16")}

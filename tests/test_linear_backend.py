@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from batchserve.config import ConfigError, ModelConfig
-from batchserve.profile import TINY_MODEL
 from batchserve.runner.kernels import gemm_ext
 from batchserve.runner.loader import load_model
 from batchserve.runner.models.llama import (Linear, LlamaModel, best_linear_backend, cpp_linear_ok,
                                             onednn_linear_ok)
+from batchserve.runner.profiler import TINY_MODEL
 
 BACKENDS = [b for b, ok in (("cpp", cpp_linear_ok(torch.zeros(1))), ("onednn", onednn_linear_ok(torch.zeros(1))))
             if ok]

@@ -12,8 +12,8 @@ import pytest
 from batchserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from batchserve.engine.clock import SimClock
 from batchserve.engine.engine import LLMEngine
-from batchserve.profile import TINY_MODEL
 from batchserve.request import SamplingParams
+from batchserve.runner.profiler import TINY_MODEL
 
 SYSTEM = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]  # a shared prefix of three 4-token blocks
 

@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from batchserve.profile import TERMS, ProfiledLatencyModel, features, fit, knee
+from batchserve.core.latency import TERMS, ProfiledLatencyModel, features, load_latency_profile
+from batchserve.runner.profiler import fit, knee
 
 
 def test_fit_recovers_a_known_model():
@@ -79,9 +80,26 @@ def test_dynamic_policy_takes_cap_and_service_prior_from_a_profile(tmp_path):
         "fit": {"coef": {"const": 0.01, "prefill_token": 1e-4, "decode_seq": 1e-3, "decode_ktoken": 0.0,
                          "prefill_mpair": 0.0}, "context_len": 128},
         "knee": {"batch": 8}, "max_batch_by_context": {"128": 40}, "num_blocks": 320}))
-    pol = make_policy("dynamic", SchedulerConfig(policy="dynamic", max_batch=32, latency_profile=str(path)))
+    pol = make_policy("dynamic", SchedulerConfig(policy="dynamic", max_batch=32),
+                      latency=load_latency_profile(str(path)))
     assert pol.max_batch == 8  # the knee: past it a bigger batch only adds latency
     assert pol.service_ms > 0
+    assert make_policy("dynamic", SchedulerConfig(policy="dynamic", max_batch=32)).max_batch == 32  # no profile
+    assert make_policy("static", SchedulerConfig(), latency=load_latency_profile(str(path))).name == "static"
+
+
+def test_engine_loads_the_profile_once_for_scheduler_and_policy(tmp_path, make_fake_engine, monkeypatch):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({
+        "fit": {"coef": {"const": 0.01, "prefill_token": 1e-4, "decode_seq": 1e-3, "decode_ktoken": 0.0,
+                         "prefill_mpair": 0.0}, "context_len": 128}, "knee": {"batch": 8}}))
+    loads = []
+    real_load = ProfiledLatencyModel.load.__func__
+    monkeypatch.setattr(ProfiledLatencyModel, "load", classmethod(lambda cls, p: loads.append(p) or real_load(cls, p)))
+    eng = make_fake_engine(policy="dynamic", max_batch=32, latency_profile=str(path))
+    assert loads == [str(path)]
+    assert isinstance(eng.scheduler.latency, ProfiledLatencyModel)
+    assert eng.scheduler.policy.max_batch == 8 and eng.scheduler.policy.service_ms > 0  # the knee, the prior
 
 
 def test_engine_uses_the_profile_for_step_predictions(tmp_path, make_fake_engine):
@@ -99,7 +117,7 @@ def test_fit_finds_the_row_knee_of_the_matrix_products():
     """Steps that barely grow up to 16 rows (the weights' stream bounds them) and then add each
     row's arithmetic: the fit picks the knee at 16 and follows both sides, where the straight
     fit misses the small steps or the big ones."""
-    from batchserve.profile import fit_with_knee
+    from batchserve.runner.profiler import fit_with_knee
 
     def step(pre, dec):  # 10 ms up to 16 rows, +0.6 ms a row after; attention terms on top
         rows = sum(n for _, n in pre) + len(dec)

@@ -155,7 +155,7 @@ def test_every_replica_full_gives_503_with_retry_after(local_ray):
     """Two replicas that each run one request and queue one more: a burst of eight gets some
     answers and 503s with Retry-After (refused everywhere), and every accepted one finishes."""
     from batchserve.config import ModelConfig, QueueConfig, SchedulerConfig
-    from batchserve.profile import TINY_MODEL
+    from batchserve.runner.profiler import TINY_MODEL
 
     cfg = EngineConfig(model=ModelConfig(model="dummy", dummy_config=TINY_MODEL, num_threads=1),
                        cache=CacheConfig(block_size=4, num_blocks=256), scheduler=SchedulerConfig(max_num_seqs=1),

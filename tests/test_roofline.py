@@ -1,10 +1,10 @@
-"""The roofline's ceilings on hand-checked numbers (bench/roofline.py)."""
+"""The roofline's ceilings on hand-checked numbers (benchmarks/roofline.py)."""
 from __future__ import annotations
 
 import pytest
 
-from batchserve.bench.roofline import Machine, decode_ceiling, linear_params, schedule_ceiling_seconds
 from batchserve.runner.models.llama import LlamaConfig
+from benchmarks.roofline import Machine, decode_ceiling, linear_params, schedule_ceiling_seconds
 
 
 def test_decode_ceiling_is_bytes_bound_at_batch_1_and_flops_bound_at_large_batch():
@@ -48,10 +48,10 @@ def test_stored_weight_bytes_count_gguf_blocks_at_their_packed_size():
     gguf = pytest.importorskip("gguf")
     import torch
 
-    from batchserve.bench.roofline import stored_weight_bytes
-    from batchserve.profile import TINY_MODEL
     from batchserve.runner.kernels import gemm_ext
     from batchserve.runner.models.llama import LlamaModel
+    from batchserve.runner.profiler import TINY_MODEL
+    from benchmarks.roofline import stored_weight_bytes
 
     if gemm_ext() is None:
         pytest.skip("no C++ toolchain")

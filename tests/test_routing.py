@@ -10,8 +10,8 @@ from batchserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerC
 from batchserve.core.kv_cache import prefix_hashes
 from batchserve.distributed.routing import Candidate, load, prefix_match, rank
 from batchserve.engine.engine import LLMEngine
-from batchserve.profile import TINY_MODEL
 from batchserve.request import SamplingParams
+from batchserve.runner.profiler import TINY_MODEL
 
 
 def cand(key: int, waiting_tokens: dict[int, int] | None = None, running: int = 0,

@@ -89,14 +89,14 @@ def test_scenario_names_a_missing_policy(monkeypatch, capsys) -> None:
 
 
 def test_fidelity_on_a_tiny_model(tmp_path) -> None:
-    """The CI-sized version of `python -m batchserve.sim.fidelity`: a tiny random model is
+    """The CI-sized version of `python -m benchmarks.fidelity`: a tiny random model is
     profiled, then the same workload runs live (wall clock) and simulated, calibrated on the
     live run itself (a shared CI machine's speed drifts between runs). Throughput must agree
     within 10%; P50 latency only within a factor of two, because a ~1 ms model step on a
     shared box is at the mercy of the OS scheduler (the full-size run on a quiet machine
     holds the issue's 10% / 15%)."""
-    from batchserve.profile import run_profile, save
-    from batchserve.sim.fidelity import run_fidelity
+    from batchserve.runner.profiler import run_profile, save
+    from benchmarks.fidelity import run_fidelity
 
     model = {"vocab_size": 512, "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 2,
              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024}

@@ -6,9 +6,10 @@ import pytest
 
 from batchserve.bench.workload import WorkItem, make_workload
 from batchserve.config import CacheConfig, EngineConfig, LevelConfig, QueueConfig, SchedulerConfig
-from batchserve.sim.cluster import ClusterSimulator, Layout, default_layouts, kv_bytes_per_token
+from batchserve.sim.cluster import ClusterSimulator, kv_bytes_per_token
 from batchserve.sim.cost import RooflineCost
 from batchserve.sim.simulator import Simulator
+from benchmarks.cluster_projection import Layout, default_layouts
 
 COST = RooflineCost("a100-80gb", "llama-2-7b")
 BLOCKS = 48

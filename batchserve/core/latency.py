@@ -7,11 +7,18 @@ Step time is modelled as linear in (tokens in the step, sequences in the step):
 fitted online by least squares over the engine's most recent steps. Deadlines (S3.2) and
 slack-based urgency (S1.5) only ever ask two questions of it, so any model with
 `predict_step` / `observe` (a profiled one, a roofline) can take its place.
+
+`ProfiledLatencyModel` is the profiled one: the step-time fit that `batchserve profile`
+(`batchserve.runner.profiler`) measures on a live runner and writes as JSON, read back here
+by `load_latency_profile`. Reading and evaluating it needs nothing but the file, so the
+scheduler, the policies and the simulator use it without a model runner or torch.
 """
 from __future__ import annotations
 
+import json
 import math
 from collections import deque
+from dataclasses import dataclass, field
 from itertools import repeat
 from operator import mul, sub
 from typing import Protocol
@@ -142,3 +149,99 @@ def tokens_within(model: LatencyModel, seconds: float, compute_left: int, batch_
     if step <= 0:
         return None
     return 1 + int((seconds - first) // step)
+
+
+# --- the profiled model --------------------------------------------------------------------
+# Regressors of the profiled fit, in the order of its coefficients: a constant, prompt tokens,
+# decode sequences, decode context (thousands of tokens), prompt attention (millions of
+# query-key pairs), and the step's rows past the matrix products' knee.
+TERMS = ("const", "prefill_token", "decode_seq", "decode_ktoken", "prefill_mpair", "row_excess")
+
+
+def row_excess(rows: int, row_knee: int | None) -> float:
+    """The row_excess regressor: a step's rows (tokens) past the knee, 0 without a knee."""
+    return float(max(0, rows - row_knee)) if row_knee else 0.0
+
+
+def features(prefills: list[tuple[int, int]], decode_ctx: list[int], row_knee: int | None = None) -> list[float]:
+    """Regressors of one step: prefills as (start_pos, num_tokens), decodes by context length;
+    with `row_knee`, also the step's rows (tokens) past it (0 without a knee)."""
+    prefill_tokens = sum(n for _, n in prefills)
+    return [1.0, float(prefill_tokens), float(len(decode_ctx)), sum(decode_ctx) / 1e3,
+            sum(n * (s + n) for s, n in prefills) / 1e6, row_excess(prefill_tokens + len(decode_ctx), row_knee)]
+
+
+@dataclass
+class ProfiledLatencyModel:
+    """A step-time model from a profile: `predict_step(num_tokens, num_seqs)` in seconds.
+
+    `observe` keeps a slowly moving correction factor (measured / predicted), so a profile
+    taken on a quiet machine adapts when the machine is busier. `context_len` is the decode
+    context assumed when a caller gives only token and sequence counts.
+    """
+
+    coef: dict[str, float]
+    context_len: int = 256
+    knee_batch: int | None = None
+    row_knee: int | None = None  # rows where the products turn from weight-bound to arithmetic-bound
+    max_batch_by_context: dict[int, int] = field(default_factory=dict)
+    max_model_len: int = 0
+    kv_bytes_per_token: int | None = None
+    kv_blocks: int | None = None
+    correction: float = 1.0
+    ready: bool = True
+
+    def predict(self, prefill_tokens: int, decode_seqs: int, context_len: int | None = None) -> float:
+        """Seconds for one step: a prompt chunk of `prefill_tokens` plus `decode_seqs` decodes
+        at `context_len` tokens each (default: the profile's reference context)."""
+        ctx = self.context_len if context_len is None else context_len
+        x = features([(0, prefill_tokens)] if prefill_tokens else [], [ctx] * decode_seqs, self.row_knee)
+        return self._eval(x)
+
+    def predict_step(self, num_tokens: int, num_seqs: int, context: int | None = None) -> float:
+        """Seconds for a step of `num_tokens` over `num_seqs` sequences. All decodes when the
+        counts match, otherwise one prompt chunk and num_seqs - 1 decodes. `context`: the
+        step's KV tokens summed over its sequences, when the caller knows it."""
+        decodes = num_seqs if num_tokens <= num_seqs else max(0, num_seqs - 1)
+        prefill = num_tokens - decodes
+        if context is None or decodes == 0:
+            return self.predict(prefill, decodes)
+        x = features([(0, prefill)] if prefill else [], [], self.row_knee)
+        x[2], x[3] = float(decodes), max(0, context - prefill) / 1e3
+        x[5] = row_excess(prefill + decodes, self.row_knee)
+        return self._eval(x)
+
+    def _eval(self, x: list[float]) -> float:
+        return max(0.0, self.correction * sum(self.coef[t] * v for t, v in zip(TERMS, x)))
+
+    def observe(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
+        pred = self.predict_step(num_tokens, num_seqs) / self.correction
+        if pred > 0 and seconds > 0:
+            self.correction = min(4.0, max(0.25, 0.95 * self.correction + 0.05 * seconds / pred))
+
+    def predict_batch(self, batch: int, prompt_len: int, output_len: int) -> float:
+        """Seconds for a request-level batch: one prefill of every prompt, then decodes."""
+        mid_ctx = prompt_len + output_len // 2
+        return (self.predict(batch * prompt_len, 0)
+                + max(0, output_len - 1) * self.predict(0, batch, mid_ctx))
+
+    @classmethod
+    def load(cls, path: str) -> "ProfiledLatencyModel":
+        """The model in a JSON file that `batchserve profile` wrote (its "fit", "knee" and KV
+        pool entries; the measured samples are not needed)."""
+        with open(path) as f:
+            d = json.load(f)
+        fitm = d["fit"]
+        # profiles written before row_excess existed have no such term: 0, the old model
+        return cls(coef={t: float(fitm["coef"].get(t, 0.0)) for t in TERMS}, context_len=int(fitm["context_len"]),
+                   knee_batch=d.get("knee", {}).get("batch"), row_knee=fitm.get("row_knee"),
+                   max_batch_by_context={int(k): v for k, v in d.get("max_batch_by_context", {}).items()},
+                   max_model_len=int(d.get("max_model_len", 0)), kv_bytes_per_token=d.get("kv_bytes_per_token"),
+                   kv_blocks=d.get("num_blocks"))
+
+
+def load_latency_profile(path: str) -> ProfiledLatencyModel:
+    """The step-time model in a `batchserve profile` JSON file. The engine calls this once and
+    hands the one model to both its readers, the scheduler (step predictions) and the policy
+    (`dynamic` takes its knee and batch-time prior), instead of each reading the file."""
+    return ProfiledLatencyModel.load(path)

@@ -76,12 +76,12 @@ class LLMEngine:
         self.kv = KVCacheManager(executor.num_blocks, config.cache.block_size, config.cache.prefix_caching)
         latency = None
         if config.scheduler.latency_profile:  # step times measured by `batchserve profile`
-            from batchserve.profile import ProfiledLatencyModel
+            from batchserve.core.latency import load_latency_profile
 
-            latency = ProfiledLatencyModel.load(config.scheduler.latency_profile)
+            latency = load_latency_profile(config.scheduler.latency_profile)
         self.scheduler = Scheduler(config.scheduler, self.kv,
-                                   make_policy(config.scheduler.policy, config.scheduler), config.queue,
-                                   latency=latency)
+                                   make_policy(config.scheduler.policy, config.scheduler, latency=latency),
+                                   config.queue, latency=latency)
         self._detok: dict[str, DetokState] = {}
         self._held: dict[str, tuple[int, str]] = {}  # finished, not yet released: (n_new, text)
         self._ids = itertools.count()

@@ -7,9 +7,11 @@ with a cost model in place of the model runner.
 
 events.py (typed events, deterministic order), executor.py (SimExecutor), cost.py (roofline and
 profiled cost models), hardware.py (GPU specs, model shapes), simulator.py (the loop),
-runner.py (`batchserve simulate`), fidelity.py and speed.py (checks against the live engine
-and of the simulator's own speed), cluster.py (several engines on one clock: `serve --ray`'s
-replicas and prefill/decode layouts, `python -m batchserve.sim.cluster`). The seed's case studies are in `batchserve.scenarios`.
+runner.py (`batchserve simulate`), cluster.py (several engines on one clock: `serve --ray`'s
+replicas and prefill/decode layouts). The seed's case studies are in `batchserve.scenarios`;
+the checks against the live engine, of the simulator's own speed and the multi-GPU projection
+are benchmark scripts (`benchmarks.fidelity`, `benchmarks.speed`,
+`benchmarks.cluster_projection`), outside the package.
 """
 from batchserve.sim.cost import CostModel, ProfiledCost, RooflineCost, make_cost_model
 from batchserve.sim.executor import SimExecutor

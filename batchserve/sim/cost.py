@@ -36,6 +36,7 @@ from operator import attrgetter
 from typing import Any, Protocol
 
 from batchserve.core.batch import ScheduledBatch
+from batchserve.core.latency import TERMS, ProfiledLatencyModel, features
 from batchserve.sim.hardware import GPUSpec, ModelShape, get_gpu, get_model
 
 
@@ -128,21 +129,19 @@ class RooflineCost:
 class ProfiledCost:
     """Step times from a `batchserve profile` JSON file (this machine, this model).
 
-    The profile's fitted model (see `batchserve.profile`) is evaluated on the step's own
-    sequences: prompt chunks as (start, n), decodes by their context, so the per-sequence
-    detail the scheduler produced is used, not just token and sequence counts. The KV pool
-    is the one the live engine allocates for the same cache settings: `num_blocks` if given,
-    else `kv_cache_gb` over the profile's bytes per token, else the profiled pool.
+    The profile's fitted model (see `core.latency.ProfiledLatencyModel`) is evaluated on the
+    step's own sequences: prompt chunks as (start, n), decodes by their context, so the
+    per-sequence detail the scheduler produced is used, not just token and sequence counts.
+    The KV pool is the one the live engine allocates for the same cache settings: `num_blocks`
+    if given, else `kv_cache_gb` over the profile's bytes per token, else the profiled pool.
     A step is `runner_time * scale + overhead_s`: `overhead_s` is the engine's own host time
     (scheduling, bookkeeping), which the profile, timing the runner alone, leaves out; `scale`
-    corrects for a machine that runs slower or faster now than when profiled (`sim.fidelity`
-    measures both on a warm-up run).
+    corrects for a machine that runs slower or faster now than when profiled
+    (`benchmarks.fidelity` measures both on a warm-up run).
     """
 
     def __init__(self, path: str, num_blocks: int | None = None, kv_cache_gb: float | None = None,
                  overhead_s: float = 0.0, scale: float = 1.0) -> None:
-        from batchserve.profile import TERMS, ProfiledLatencyModel, features
-
         self.path = path
         self.profile = ProfiledLatencyModel.load(path)
         self._coef = [self.profile.coef[t] for t in TERMS]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from batchserve.config import SchedulerConfig
+from batchserve.core.latency import LatencyModel
 from batchserve.core.policies.base import Policy
 from batchserve.core.policies.cascade import CascadePolicy
 from batchserve.core.policies.chunked import ChunkedPolicy
@@ -14,12 +15,16 @@ POLICIES: dict[str, type[Policy]] = {
 }
 
 
-def make_policy(name: str, config: SchedulerConfig | None = None) -> Policy:
-    """A fresh policy of the named kind, reading its settings from `config`."""
+def make_policy(name: str, config: SchedulerConfig | None = None, latency: LatencyModel | None = None) -> Policy:
+    """A fresh policy of the named kind, reading its settings from `config`. `latency`: the
+    engine's step-time model (a loaded profile), for the policies that plan with it (`dynamic`);
+    the others ignore it."""
     try:
         cls = POLICIES[name]
     except KeyError:
         raise ValueError(f"policy: unknown {name!r}; choose from {sorted(POLICIES)}") from None
+    if issubclass(cls, DynamicPolicy):
+        return cls(config, latency=latency)
     return cls(config)
 
 

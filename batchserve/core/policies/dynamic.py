@@ -6,8 +6,8 @@
   batch service time is taken off. A request with a deadline launches the batch early
   when waiting longer would leave it less than that service time.
 - Max batch: AIMD on the P99 end-to-end latency of recent requests against `slo_p99_ms`
-  (`controllers.aimd_batch_cap`), bounded by the configured `max_batch` and, when a
-  latency profile is given, by its throughput knee. The cap is judged only on batches
+  (`controllers.aimd_batch_cap`), bounded by the configured `max_batch` and, when the
+  engine hands it a profiled latency model, by that profile's throughput knee. The cap is judged only on batches
   formed under it, and holds rather than falls when the latency is queueing, not service
   (a smaller batch would only lengthen the queue).
 - `bucket_by_length`: the batch is filled with the requests closest in (prompt, output)
@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Iterable
 from batchserve.config import SchedulerConfig
 from batchserve.core.controllers import (adaptive_window, aimd_batch_cap, arrival_rate, bucket_distance,
                                          ewma, length_bucket, percentile)
+from batchserve.core.latency import LatencyModel, ProfiledLatencyModel
 from batchserve.core.policies.request_level import RequestLevelPolicy
 from batchserve.request import Request, RequestStatus
 
@@ -35,20 +36,20 @@ MAX_SAMPLES = 128
 class DynamicPolicy(RequestLevelPolicy):
     name = "dynamic"
 
-    def __init__(self, config: SchedulerConfig | None = None) -> None:
+    def __init__(self, config: SchedulerConfig | None = None, latency: LatencyModel | None = None) -> None:
+        """`latency`: the engine's step-time model; a profiled one (`batchserve profile`) caps the
+        batch at its knee and seeds the expected batch service time. The online model knows
+        nothing yet when the policy starts, so it is not read here."""
         super().__init__(config)
         cfg = self.config
         self.window_ms = cfg.window_max_ms
         self.cap_max = cfg.max_batch
         self.service_ms = 0.0  # expected time from batch launch to its results
-        if cfg.latency_profile:
-            from batchserve.profile import ProfiledLatencyModel
-
-            prof = ProfiledLatencyModel.load(cfg.latency_profile)
-            if prof.knee_batch:
-                self.cap_max = max(1, min(self.cap_max, prof.knee_batch))
+        if isinstance(latency, ProfiledLatencyModel):
+            if latency.knee_batch:
+                self.cap_max = max(1, min(self.cap_max, latency.knee_batch))
             # a prior until batches are measured: one prefill plus decodes of a typical batch
-            self.service_ms = 1000.0 * prof.predict_batch(self.cap_max, prompt_len=128, output_len=64)
+            self.service_ms = 1000.0 * latency.predict_batch(self.cap_max, prompt_len=128, output_len=64)
         self.max_batch = self.cap_max
         self.mean_gap_s: float | None = None
         self.last_arrival: float | None = None

@@ -1,7 +1,7 @@
 """The 64-request workload offline (LLMEngine in this process) and through `batchserve serve`
 with 64 concurrent streaming clients: does the HTTP layer steal the model's cores?
 
-    python -m batchserve.bench.http_offline --out BENCHMARKS.md      # a few minutes, quiet machine
+    python -m benchmarks.http_offline --out BENCHMARKS.md      # a few minutes, quiet machine
 
 Same requests both ways (foundation.offline_workload: prompts ~200 tokens median, 80% short / 20%
 long outputs, greedy, ignore_eos, all sent at t = 0), same engine settings. Output tokens per
@@ -20,9 +20,10 @@ import sys
 import time
 
 from batchserve.bench.client import ClientConfig, run
-from batchserve.bench.foundation import offline_workload, publish, run_offline
-from batchserve.bench.standard import running_server
 from batchserve.bench.workload import WorkItem
+from benchmarks.foundation import offline_workload, run_offline
+from benchmarks.report_md import publish
+from benchmarks.standard import running_server
 
 TITLE = "## HTTP vs offline: the 64-request workload through `serve` with 64 streaming clients"
 ENGINE_FLAGS = ["--kv-cache-gb", "2", "--max-num-seqs", "64", "--max-num-batched-tokens", "2048"]
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"({ok}/{len(items)} ok, client CPU {client_cpu:.2f} s)", file=sys.stderr)
     ratios = [h / o["tok_s"] for o, h, *_ in rows]
     median = statistics.median(ratios)
-    lines = [TITLE, "", f"`python -m batchserve.bench.http_offline {' '.join(argv or sys.argv[1:])}` — "
+    lines = [TITLE, "", f"`python -m benchmarks.http_offline {' '.join(argv or sys.argv[1:])}` — "
              f"{datetime.date.today().isoformat()}, {platform.machine()}, {os.cpu_count()} cores; server "
              f"{_server_stack()}, client aiohttp. Engine flags `{' '.join(ENGINE_FLAGS)}` (continuous policy, "
              f"default threads) both ways; {a.requests} requests, the offline run (LLMEngine.step in this process) "

@@ -2,7 +2,7 @@
 runner/csrc/paged_attention.cpp) against the PyTorch path it replaces (per chunk: gather the
 context when there is cached history, repeat the kv heads, SDPA's flash kernel).
 
-    python -m batchserve.bench.prefill_attention --out BENCHMARKS.md      # under a minute
+    python -m benchmarks.prefill_attention --out BENCHMARKS.md      # under a minute
 
 Each case is one layer's call for a step's prompt chunks (SmolLM2-135M's attention shape, blocks
 placed at random), median of 15. GFLOP/s counts the causal work only: 4 x head_dim x query
@@ -17,10 +17,10 @@ import platform
 
 import torch
 
-from batchserve.bench.foundation import publish
-from batchserve.bench.roofline import median_time
 from batchserve.runner.attention import AttnMeta, gather_slots, paged_attention
 from batchserve.runner.kernels import paged_attention_ext
+from benchmarks.report_md import publish
+from benchmarks.roofline import median_time
 
 TITLE = "## Prompt attention over the paged KV cache"
 N_KV, N_H, HD, BS = 3, 9, 64, 16
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{r['gt']:.0f} | {r['torch'] / r['kernel']:.2f}x | {r['diff']:.1e} | {r['k16'] * 1e3:.2f} | "
                     f"{r['g16']:.0f} |")
     text = "\n".join([
-        TITLE, "", f"`python -m batchserve.bench.prefill_attention`, {datetime.datetime.now():%Y-%m-%d %H:%M}; "
+        TITLE, "", f"`python -m benchmarks.prefill_attention`, {datetime.datetime.now():%Y-%m-%d %H:%M}; "
         f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads. "
         f"{N_H} query / {N_KV} kv heads of {HD}, blocks of {BS}, fp32 cache (the last two columns: the same "
         f"kernel on a float16 copy of it); one layer's call, median of {a.reps}; "

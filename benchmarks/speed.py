@@ -1,7 +1,7 @@
 """How fast the simulator runs, and what the scheduler costs per step.
 
-    python -m batchserve.sim.speed                     # 100,000 chat requests, A100-80GB / Llama-2-7B
-    python -m batchserve.sim.speed --requests 5000     # a quick look
+    python -m benchmarks.speed                     # 100,000 chat requests, A100-80GB / Llama-2-7B
+    python -m benchmarks.speed --requests 5000     # a quick look
 
 Part 1, the end-to-end run: the chat mix, Poisson arrivals at `--rate`, the engine's default
 policy (or `--policy`) with `--max-num-seqs` on the roofline model; reports wall time, steps and wall microseconds per

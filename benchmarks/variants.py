@@ -4,7 +4,7 @@ the C++ panel GEMM vs oneDNN for the float32 products, float32 vs bfloat16 matri
 float32 vs float16 / bfloat16 / int8 KV cache (`--kv-cache-dtype`), integer dot products on the GGUF blocks (`--matmul-dtype
 int16 / int8`), with each variant's output quality against float32 (products and cache).
 
-    python -m batchserve.bench.variants --out BENCHMARKS.md      # about 5 minutes, quiet machine
+    python -m benchmarks.variants --out BENCHMARKS.md      # about 5 minutes, quiet machine
 
 Decode steps of each variant alternate on the same batch (128-token contexts), medians of 7.
 Quality: greedy continuations (64 tokens) of a prompt set, compared token by token with the
@@ -22,13 +22,14 @@ import time
 
 import torch
 
-from batchserve.bench.foundation import decode_batch, offline_workload, publish, run_offline
-from batchserve.bench.roofline import decode_ceiling, measure_machine, stored_weight_bytes
 from batchserve.config import CacheConfig, ModelConfig
 from batchserve.core.kv_cache import KVCacheManager
 from batchserve.engine.engine import tokenize
 from batchserve.runner.loader import load_model
 from batchserve.runner.model_runner import ModelRunner
+from benchmarks.foundation import decode_batch, offline_workload, run_offline
+from benchmarks.report_md import publish
+from benchmarks.roofline import decode_ceiling, measure_machine, stored_weight_bytes
 
 TITLE = "## Hot-path variants: fused layer ops, bf16 matrix products, bf16 KV cache"
 QUESTIONS = [
@@ -190,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"{100 * b / t / own_ceiling(k, b, c):.0f}%)")
         rows.append(f"| {k} | " + " | ".join(cells) + " |")
     del unfused, runners
-    lines = [f"`python -m batchserve.bench.variants`, {datetime.datetime.now():%Y-%m-%d %H:%M}; "
+    lines = [f"`python -m benchmarks.variants`, {datetime.datetime.now():%Y-%m-%d %H:%M}; "
              f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
              f"{torch.get_num_threads()} threads; fp32 matmul peak at the model's shapes "
              f"{mach.peak_gflops:.0f} GFLOP/s (bf16 {mach16.peak_gflops:.0f}; dot products on Q4_1 blocks: int8 "

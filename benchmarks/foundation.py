@@ -1,7 +1,7 @@
 """Foundation benchmark: decode step time vs linear layers vs ceiling, prefill rate, offline
 throughput on the 64-request workload, and transformers side by side.
 
-    python -m batchserve.bench.foundation --out BENCHMARKS.md [--skip-hf] [--requests 64]
+    python -m benchmarks.foundation --out BENCHMARKS.md [--skip-hf] [--requests 64]
 """
 from __future__ import annotations
 
@@ -15,12 +15,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from batchserve.bench.roofline import (decode_ceiling, linear_params, measure_machine, median_time,
-                                       prefill_ceiling, schedule_ceiling_seconds, stored_weight_bytes)
 from batchserve.core.batch import ScheduledBatch, ScheduledSeq
 from batchserve.core.kv_cache import KVCacheManager
 from batchserve.request import SamplingParams
 from batchserve.runner.model_runner import kv_bytes_per_block
+from benchmarks.report_md import write_section
+from benchmarks.roofline import (decode_ceiling, linear_params, measure_machine, median_time,
+                                 prefill_ceiling, schedule_ceiling_seconds, stored_weight_bytes)
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -242,46 +243,12 @@ def main(argv: list[str] | None = None) -> None:
         "" if a.kv_cache_dtype == "auto" else f" --kv-cache-dtype {a.kv_cache_dtype}")
     head = f"## Foundation,{mode}:" if mode else "## Foundation:"
     report = (f"{head} decode, prefill, offline throughput\n\nCommand: `python -m "
-              f"batchserve.bench.foundation{' --skip-hf' if a.skip_hf else ''}{mode}`, {stamp}"
+              f"benchmarks.foundation{' --skip-hf' if a.skip_hf else ''}{mode}`, {stamp}"
               f"{f'; matrix products as {mmd} dot products on the GGUF blocks' if integer else ''}; KV cache "
               f"{'int8' if runner.kv_dtype == torch.uint8 else str(runner.kv_dtype).split('.')[-1]}.\n\n{body}\n")
     print(report)
     if a.out:
         write_section(a.out, head, report)
-
-
-def publish(text: str, out: str | None, heading: str) -> int:
-    """Print a benchmark's markdown section and, with `out`, replace it in that file; exit code 0."""
-    print(text)
-    if out:
-        write_section(out, heading, text)
-    return 0
-
-
-# Ends the generated part of a section in BENCHMARKS.md: a rerun replaces the section's text up
-# to this line and keeps what follows (the readings written by hand about earlier runs).
-KEEP_MARK = "<!-- generated above; what follows in this section is kept when the benchmark reruns -->"
-
-
-def write_section(path: str, heading: str, report: str) -> None:
-    """Put `report` (a section starting with `heading`) into a markdown file: replace the
-    generated part of the section starting with `heading`, keeping whatever follows its
-    KEEP_MARK line; a section without the mark is replaced whole; a missing one is appended."""
-    text = open(path).read() if os.path.exists(path) else "# Benchmarks\n\n"
-    report = report.rstrip("\n") + "\n\n" + KEEP_MARK
-    # at the start of a line only: "## X" must not match inside a "### X ..." heading
-    line = text.find("\n" + heading)
-    start = 0 if text.startswith(heading) else line + 1 if line >= 0 else -1
-    if start < 0:
-        text = text.rstrip() + "\n\n" + report + "\n"
-    else:
-        nxt = text.find("\n## ", start + 1)
-        end = nxt + 1 if nxt >= 0 else len(text)
-        mark = text.find(KEEP_MARK, start, end)
-        kept = text[mark + len(KEEP_MARK):end] if mark >= 0 else "\n\n" if nxt >= 0 else "\n"
-        text = text[:start] + report + kept + text[end:]
-    with open(path, "w") as fh:
-        fh.write(text)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The standard comparison: every batching policy on the standard workloads, live.
 
-    python -m batchserve.bench.standard --out-dir bench_out            # full size: a quiet machine
-    python -m batchserve.bench.standard --out-dir /tmp/b --quick       # a smoke run, a minute or two
+    python -m benchmarks.standard --out-dir bench_out            # full size: a quiet machine
+    python -m benchmarks.standard --out-dir /tmp/b --quick       # a smoke run, a minute or two
 
 For each policy in `core.policies.POLICIES` it starts `batchserve serve --policy NAME` on a
 free loopback port, waits for /health, sweeps each workload's rates with the open-loop

@@ -1,7 +1,7 @@
 """Every batching policy on the same workloads, real model, one run, one table (S5).
 
-    python -m batchserve.bench.policies --out policies.md            # a few minutes on 2 cores
-    python -m batchserve.bench.policies --quick --model dummy --out /tmp/p.md   # a smoke check
+    python -m benchmarks.policies --out policies.md            # a few minutes on 2 cores
+    python -m benchmarks.policies --quick --model dummy --out /tmp/p.md   # a smoke check
 
 Workloads (from `bench.workload`, scaled to a small CPU):
   (a) short-long — the seed's static-vs-continuous case: 90% short requests, 10% with very
@@ -29,8 +29,9 @@ from batchserve.bench.workload import WorkItem, make_workload
 from batchserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from batchserve.core.batch import ScheduledBatch, StepOutput
 from batchserve.engine.engine import LLMEngine
-from batchserve.profile import TINY_MODEL
 from batchserve.request import SamplingParams
+from batchserve.runner.profiler import TINY_MODEL
+from benchmarks.report_md import write_section
 
 # per-policy settings: the seed's figures where it gives them (static: 200 ms window, 32 per
 # batch; cascade: prefill 64 / decode 16), otherwise the config defaults
@@ -214,8 +215,6 @@ def main(argv: list[str] | None = None) -> int:
         "", table(results), "", *targets(results), ""])
     print(text)
     if a.out:
-        from batchserve.bench.foundation import write_section
-
         write_section(a.out, "## Batching policies", text + "\n")
     if a.json:
         with open(a.json, "w") as f:

@@ -1,6 +1,6 @@
 """The 64-request workload over HTTP: batchserve against llama.cpp's server, same GGUF file.
 
-    python -m batchserve.bench.vs_llamacpp --llama-server PATH/llama-server --out BENCHMARKS.md
+    python -m benchmarks.vs_llamacpp --llama-server PATH/llama-server --out BENCHMARKS.md
 
 Both servers get the same 64 streaming requests at once from the same client (the foundation
 benchmark's offline workload: random prompts of lognormal length, median ~200 tokens, outputs
@@ -25,11 +25,12 @@ import statistics
 import sys
 
 from batchserve.bench.client import ClientConfig, run
-from batchserve.bench.foundation import offline_workload, publish
-from batchserve.bench.http_offline import ENGINE_FLAGS
-from batchserve.bench.standard import running_server
 from batchserve.bench.workload import WorkItem
 from batchserve.runner.loader import resolve_model_path
+from benchmarks.foundation import offline_workload
+from benchmarks.http_offline import ENGINE_FLAGS
+from benchmarks.report_md import publish
+from benchmarks.standard import running_server
 
 TITLE = "## Against llama.cpp: the 64-request workload through both servers"
 SLOT_CTX = 1600  # the workload's longest request: a 1,024-token prompt and 512 output tokens, rounded up
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {r + 1} {name}: {res['ok']}/{len(items)} ok, {res['tok_s']:.1f} tok/s", file=sys.stderr)
 
     med = {n: statistics.median(res["tok_s"] for _, m, res in rows if m == n) for n in servers}
-    lines = [TITLE, "", f"`python -m batchserve.bench.vs_llamacpp {cmdline}` — "
+    lines = [TITLE, "", f"`python -m benchmarks.vs_llamacpp {cmdline}` — "
              f"{datetime.datetime.now():%Y-%m-%d %H:%M}, {platform.machine()}, {os.cpu_count()} cores. "
              f"Model {os.path.basename(model)} in both. batchserve: `serve {' '.join(ENGINE_FLAGS)}`. llama.cpp: "
              f"`llama-server {' '.join(x if x != model else 'MODEL' for x in llama_args)}`. "

@@ -1,6 +1,6 @@
 """Which matrix-product path is fastest here, at the model's own shapes and batch sizes?
 
-    python -m batchserve.bench.matmul_variants --out BENCHMARKS.md     # about 2 minutes
+    python -m benchmarks.matmul_variants --out BENCHMARKS.md     # about 2 minutes
 
 Every variant runs all 30 layers' four fused matrices (QKV, O, gate/up, down; distinct tensors,
 so weights stream from memory as in a real decode step) for M rows, median of several passes,
@@ -33,9 +33,9 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from batchserve.bench.foundation import publish
-from batchserve.bench.roofline import layer_shapes, median_time
 from batchserve.runner.models.llama import Linear, LlamaConfig, cpp_bf16_ok, cpp_linear_ok, onednn_linear_ok
+from benchmarks.report_md import publish
+from benchmarks.roofline import layer_shapes, median_time
 
 TITLE = "## Matrix-product variants at the model's shapes (issue 9 items 2 and 5)"
 
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                     table.setdefault(name, {})[m] = min(t, table.get(name, {}).get(m, t))
             print(f"M={m}: " + ", ".join(f"{n} {table[n][m]:.1f} ms" for n in fns), file=sys.stderr)
     base = table["fp32 F.linear (MKL)"]
-    lines = [TITLE, "", f"`python -m batchserve.bench.matmul_variants {' '.join(argv or sys.argv[1:])}` — "
+    lines = [TITLE, "", f"`python -m benchmarks.matmul_variants {' '.join(argv or sys.argv[1:])}` — "
              f"{datetime.date.today().isoformat()}, {platform.machine()}, {os.cpu_count()} cores, torch "
              f"{torch.__version__}, {torch.get_num_threads()} threads. Milliseconds for all 30 layers' QKV, O, "
              "gate/up and down products (LM head excluded); in brackets, time relative to F.linear.", "",

@@ -1,7 +1,7 @@
 """Decode attention over the paged KV cache (issue 9 item 3): time per layer, KV bytes read
 against the minimum, and attention's share of a real decode step at 512-token contexts.
 
-    python -m batchserve.bench.attention_kernel --out BENCHMARKS.md      # about 2 minutes
+    python -m benchmarks.attention_kernel --out BENCHMARKS.md      # about 2 minutes
 
 Each case keeps 30 layers' caches (random block placement), one per call in turn, so K/V come
 from DRAM as in a 30-layer step. Minimum traffic: every cached K and V element read once. The
@@ -18,11 +18,12 @@ import time
 
 import torch
 
-from batchserve.bench.foundation import decode_batch, publish
-from batchserve.bench.roofline import median_time
 from batchserve.core.kv_cache import KVCacheManager
 from batchserve.runner.attention import AttnMeta, _decode_torch
 from batchserve.runner.kernels import paged_attention_ext
+from benchmarks.foundation import decode_batch
+from benchmarks.report_md import publish
+from benchmarks.roofline import median_time
 
 TITLE = "## Decode attention over the paged KV cache"
 N_KV, N_H, HD, BS, LAYERS = 3, 9, 64, 16, 30  # SmolLM2-135M's attention shape
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         share.append(f"{name} KV: step {step * 1e3:.1f} ms, attention {att * 1e3:.1f} ms = {100 * att / step:.0f} % "
                      f"of it, reading {LAYERS * nbytes / 1e6:.0f} MB per step = the minimum (each element once)")
         del llm, runner
-    text = (f"{TITLE}\n\n`python -m batchserve.bench.attention_kernel`, {datetime.datetime.now():%Y-%m-%d %H:%M}; "
+    text = (f"{TITLE}\n\n`python -m benchmarks.attention_kernel`, {datetime.datetime.now():%Y-%m-%d %H:%M}; "
             f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} "
             f"threads. {N_H} query / {N_KV} kv heads of {HD}, blocks of {BS}; medians over {a.reps} passes "
             f"through {LAYERS} layers' caches, each request's blocks scattered over the pool (the last six "

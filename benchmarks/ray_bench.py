@@ -1,7 +1,7 @@
 """1 vs 2 replicas, and disaggregated vs not, served over HTTP and load-tested with `bench`.
 
-    python -m batchserve.bench.ray_bench --out BENCHMARKS.md           # about 6 minutes here
-    python -m batchserve.bench.ray_bench --out /tmp/r.md --quick       # a smoke run
+    python -m benchmarks.ray_bench --out BENCHMARKS.md           # about 6 minutes here
+    python -m benchmarks.ray_bench --out /tmp/r.md --quick       # a smoke run
 
 Each layout is started as `batchserve serve ...` on a free port and gets the same open-loop
 workload; the section written to --out compares them (and the hand-off cost, read from
@@ -23,8 +23,8 @@ import httpx
 
 from batchserve.bench.cli import run_sweep
 from batchserve.bench.client import ClientConfig
-from batchserve.bench.foundation import publish
-from batchserve.bench.standard import running_server
+from benchmarks.report_md import publish
+from benchmarks.standard import running_server
 
 LAYOUTS = (
     ("1 engine, 2 threads (no Ray)", ["--threads", "2"]),
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             runs = json.load(f)["runs"]
         for run in runs:
             rows.append((label, run["rate"], run["summary"], handoff))
-    lines = [TITLE, "", f"`python -m batchserve.bench.ray_bench {' '.join(argv or sys.argv[1:])}` — "
+    lines = [TITLE, "", f"`python -m benchmarks.ray_bench {' '.join(argv or sys.argv[1:])}` — "
              f"{datetime.date.today().isoformat()}, {platform.machine()}, {os.cpu_count()} cores; workload "
              f"`{a.workload}` (scale {a.scale}), {a.requests} requests per rate, open-loop Poisson, greedy, "
              "outputs to full length. Latencies in seconds over completed requests.", "",

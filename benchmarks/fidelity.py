@@ -1,7 +1,7 @@
 """Fidelity: the simulator against the live engine, on this machine and this model.
 
-    python -m batchserve.sim.fidelity                          # SmolLM2-135M: profile, 3 rates
-    python -m batchserve.sim.fidelity --profile prof.json --rates 0.5,1,1.5 --out BENCHMARKS.md
+    python -m benchmarks.fidelity                          # SmolLM2-135M: profile, 3 rates
+    python -m benchmarks.fidelity --profile prof.json --rates 0.5,1,1.5 --out BENCHMARKS.md
 
 1. Profile the model (`batchserve profile`: step time of the runner over prompt tokens,
    decode sequences and context), or load `--profile`.
@@ -30,9 +30,11 @@ from batchserve.bench.metrics import RequestRecord, span_s, summarize
 from batchserve.bench.workload import WorkItem, make_workload
 from batchserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from batchserve.request import SamplingParams
+from batchserve.runner.profiler import run_profile, save
 from batchserve.sim.cost import ProfiledCost
 from batchserve.sim.runner import simulate
 from batchserve.sim.simulator import prompt_ids
+from benchmarks.report_md import write_section
 
 TOLERANCE = {"throughput_rps": 0.10, "e2e_p50_ms": 0.10, "e2e_p99_ms": 0.15}
 
@@ -164,8 +166,6 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from batchserve.profile import run_profile, save
-
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=ModelConfig.model)
     ap.add_argument("--profile", default=None, help="use this profile instead of measuring one")
@@ -186,14 +186,12 @@ def main(argv: list[str] | None = None) -> None:
     rates = [float(x) for x in a.rates.split(",")] if a.rates else None
     rows = run_fidelity(cfg, path, a.requests, rates, workload=a.workload, scale=a.scale)
     table = format_rows(rows)
-    text = (f"## Simulator fidelity\n\nCommand: `python -m batchserve.sim.fidelity` — {a.model}, {a.workload} "
+    text = (f"## Simulator fidelity\n\nCommand: `python -m benchmarks.fidelity` — {a.model}, {a.workload} "
             f"workload, {a.requests} requests per rate, profile `{path}`; from a warm-up run: host overhead "
             f"{rows[0]['overhead_ms']:.2f} ms/step, runner {rows[0]['runner_scale']:.2f}x the profile."
             f"\n\n{table}\n")
     print(text)
     if a.out:
-        from batchserve.bench.foundation import write_section
-
         write_section(a.out, "## Simulator fidelity", text)
 
 
