@@ -85,7 +85,7 @@ def live_run(engine: Any, items: list[WorkItem]) -> tuple[list[RequestRecord], l
             continue
         runner.last = -1.0
         s0 = time.perf_counter()
-        outs = engine.step()
+        outs = engine.step().outputs
         t = time.perf_counter() - t0
         if runner.last >= 0:
             overheads.append(time.perf_counter() - s0 - runner.last)

@@ -72,7 +72,7 @@ def run_offline(llm, work) -> dict:
     ntok = 0
     steps: list[tuple[int, int]] = []  # per step: rows that produced a token, the sum of their contexts
     while eng.has_unfinished:
-        outs = eng.step()
+        outs = eng.step().outputs
         running = len(eng.scheduler.running) + sum(1 for o in outs if o.finished)
         sizes.append(running)
         ctx = [len(o.prompt_token_ids) + len(o.token_ids) - 1 for o in outs if o.new_token_ids]

@@ -106,7 +106,7 @@ def run_one(runner, tokenizer, eos, items: list[WorkItem], sched: dict, block_si
             time.sleep(max(0.0, min(0.01, t0 + pending[0].arrival - now)))
             continue
         steps = ex.steps
-        outs = eng.step()
+        outs = eng.step().outputs
         t = clock.now()
         if ex.steps == steps:
             time.sleep(0.001)  # a request-level policy is collecting: don't spin

@@ -65,7 +65,7 @@ def sampled_workload(requests: int) -> float:
             eng.add_request(ids, SamplingParams(max_tokens=m, temperature=0.7, top_p=0.9, seed=i, ignore_eos=True))
         ntok = 0
         while eng.has_unfinished:
-            ntok += sum(len(o.new_token_ids) for o in eng.step())
+            ntok += sum(len(o.new_token_ids) for o in eng.step().outputs)
         rate = ntok / (time.perf_counter() - t0)
     return rate
 

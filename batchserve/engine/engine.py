@@ -10,6 +10,7 @@ from typing import Any, Protocol
 from batchserve.config import EngineConfig
 from batchserve.core.batch import RequestOutput, RunningOutput, ScheduledBatch, StepOutput, StepRecord
 from batchserve.core.kv_cache import KVCacheManager
+from batchserve.core.latency import load_latency_profile
 from batchserve.core.policies import make_policy
 from batchserve.core.scheduler import Scheduler
 from batchserve.core.stats import EngineSnapshot, QueueStats
@@ -74,11 +75,8 @@ class LLMEngine:
         self.eos_token_id = eos_token_id
         self.clock = clock or WallClock()
         self.kv = KVCacheManager(executor.num_blocks, config.cache.block_size, config.cache.prefix_caching)
-        latency = None
-        if config.scheduler.latency_profile:  # step times measured by `batchserve profile`
-            from batchserve.core.latency import load_latency_profile
-
-            latency = load_latency_profile(config.scheduler.latency_profile)
+        profile = config.scheduler.latency_profile  # step times measured by `batchserve profile`
+        latency = load_latency_profile(profile) if profile else None
         self.scheduler = Scheduler(config.scheduler, self.kv,
                                    make_policy(config.scheduler.policy, config.scheduler, latency=latency),
                                    config.queue, latency=latency)
