@@ -1,68 +1,87 @@
-"""Command line: `batchserve generate | serve` (more subcommands plug in here)."""
+"""Command line: `batchserve generate | serve` (more subcommands plug in here).
+
+The flags that set config fields are generated from the config dataclasses (`add_config_args`:
+name, type, default, choices and help come from the field); the rest (sampling, simulation,
+Ray, `--config`, the queue flags) are written here. `python -m batchserve.cli --flags-markdown`
+prints docs/flags.md.
+"""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import inspect
 import logging
 import sys
 import time
+import typing
+from typing import Any, Literal
 
-from batchserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from batchserve.config import (EXPLICIT, SECTIONS, CacheConfig, EngineConfig, LevelConfig, ModelConfig, QueueConfig,
+                               SchedulerConfig, ServerConfig, cli_fields, flag_dest, flag_name, from_sources,
+                               namespace_sources)
+
+
+def _recording(base: type[argparse.Action]) -> type[argparse.Action]:
+    """`base` that also adds its dest to the namespace's EXPLICIT set when the flag is given,
+    which is how a config file's value is told apart from a flag typed out with the default."""
+
+    class Recording(base):  # type: ignore[misc, valid-type]
+        def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                     option_string: str | None = None) -> None:
+            super().__call__(parser, namespace, values, option_string)
+            setattr(namespace, EXPLICIT, getattr(namespace, EXPLICIT, frozenset()) | {self.dest})
+
+    Recording.__name__ = Recording.__qualname__ = "Recording" + base.__name__.lstrip("_")
+    return Recording
+
+
+_STORE, _STORE_TRUE, _STORE_FALSE = (_recording(argparse._StoreAction), _recording(argparse._StoreTrueAction),
+                                     _recording(argparse._StoreFalseAction))
+
+
+def _argument(f: Any, hint: Any) -> dict[str, Any]:
+    """add_argument's keywords for a config field: bool -> a switch (store_true; `--no-x`
+    store_false for a True default), X | None -> X with default None, Literal or metadata
+    `choices` -> choices, str / int / float -> that type."""
+    kw: dict[str, Any] = {"dest": flag_dest(f), "default": f.default, "help": f.metadata["help"]}
+    if hint is bool:
+        return {**kw, "action": _STORE_FALSE if f.default else _STORE_TRUE}
+    args = typing.get_args(hint)
+    if type(None) in args:
+        (hint,) = [t for t in args if t is not type(None)]
+    choices = f.metadata.get("choices")
+    if typing.get_origin(hint) is Literal:
+        choices = choices or typing.get_args(hint)
+        hint = type(typing.get_args(hint)[0])
+    if hint not in (str, int, float):
+        raise TypeError(f"{f.name}: no flag for a field of type {hint}; give it metadata cli: False")
+    kw.update(action=_STORE, type=None if hint is str else hint)
+    if choices is not None:
+        kw["choices"] = list(choices)
+    if "metavar" in f.metadata:
+        kw["metavar"] = f.metadata["metavar"]
+    return kw
+
+
+def add_config_args(g: argparse._ActionsContainer, cls: type) -> None:
+    """A flag for every field of the config dataclass `cls` that is one (`config.cli_fields`)."""
+    g.set_defaults(**{EXPLICIT: frozenset()})  # (shared with the parser's): nothing given yet
+    hints = typing.get_type_hints(cls)
+    for f in cli_fields(cls):
+        g.add_argument(flag_name(f), **_argument(f, hints[f.name]))
+
+
+# argument group title -> the dataclass its flags set (docs/flags.md takes its notes from the docstring)
+_GROUPS: dict[str, type] = {"model": ModelConfig, "kv cache": CacheConfig, "scheduling": SchedulerConfig,
+                            "admission queue": QueueConfig, "server": ServerConfig}
+_ENGINE_GROUPS = ("model", "kv cache", "scheduling", "admission queue")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Flags that map onto EngineConfig fields."""
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default=ModelConfig.model, help="GGUF file, HF directory, alias or 'dummy'")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    g.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpp"],
-                   help="decode attention and fused layer ops: C++ when they build (auto), PyTorch only, "
-                        "or require C++")
-    g.add_argument("--linear-backend", default="auto", choices=["auto", "cpp", "onednn", "torch"],
-                   help="float32 matrix products: the C++ panel GEMM on AVX-512 CPUs, else oneDNN on packed weights "
-                        "where it runs (auto); or require the C++ GEMM, oneDNN, or F.linear")
-    g.add_argument("--matmul-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int16", "int8"],
-                   help="int16 / int8: a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 matrices multiply activations quantized "
-                        "to int16 / int8 per 32 values (AVX512-VNNI integer dot products, ~1.5x / ~2.5x the float32 "
-                        "rate; int16 gives the float32 model's output, int8 is llama.cpp's scheme and differs more); "
-                        "float32: float32 products (bit-identical to the dequantized weights); bfloat16: the decoder "
-                        "layers' products in bf16; auto: int16 where it runs (VNNI CPU, GGUF blocks), else as --dtype")
-    g.add_argument("--quantized-weights", default="auto", choices=["auto", "off"],
-                   help="auto: multiply from a GGUF file's Q4_0/Q4_1/Q4_K/Q6_K/Q8_0 blocks as stored (C++ GEMM; "
-                        "~5x fewer bytes than float32, see --matmul-dtype for the arithmetic); off: dequantize at load")
-    g = p.add_argument_group("kv cache")
-    g.add_argument("--kv-cache-gb", type=float, default=CacheConfig.kv_cache_gb)
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "int8"],
-                   help="KV cache storage (auto: float16 where the C++ attention kernels run on the CPU, else as "
-                        "--dtype); 16 bits halve the bytes per token; int8 (a scale per token and kv head, C++ "
-                        "kernels only) takes 0.53x float16's; float32 for an exact cache")
-    g.add_argument("--block-size", type=int, default=CacheConfig.block_size)
-    g.add_argument("--num-blocks", type=int, default=None, help="override the pool size")
-    g.add_argument("--prefix-caching", action="store_true")
-    g = p.add_argument_group("scheduling")
-    g.add_argument("--policy", default=SchedulerConfig.policy,
-                   help="static | dynamic | continuous | chunked | cascade")
-    g.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
-    g.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
-    g.add_argument("--chunk-size", type=int, default=SchedulerConfig.chunk_size)
-    g.add_argument("--window-ms", type=float, default=SchedulerConfig.window_ms)
-    g.add_argument("--max-batch", type=int, default=SchedulerConfig.max_batch)
-    d = SchedulerConfig
-    g.add_argument("--window-min-ms", type=float, default=d.window_min_ms, help="dynamic: shortest window")
-    g.add_argument("--window-max-ms", type=float, default=d.window_max_ms, help="dynamic: longest window")
-    g.add_argument("--slo-p99-ms", type=float, default=d.slo_p99_ms,
-                   help="dynamic: P99 end-to-end target that steers the max batch and caps the window")
-    g.add_argument("--bucket-by-length", action="store_true", help="dynamic: batch similar lengths together")
-    g.add_argument("--prefill-max-batch", type=int, default=d.prefill_max_batch, help="cascade: prefill cap")
-    g.add_argument("--decode-max-batch", type=int, default=d.decode_max_batch, help="cascade: decode cap")
-    g.add_argument("--cascade-ratio", type=int, default=d.cascade_ratio,
-                   help="cascade: decode steps between prefill steps while both stages have work")
-    g.add_argument("--cascade-workers", action="store_true",
-                   help="cascade: prefill and decode in two worker processes, KV handed across")
-    g.add_argument("--latency-profile", default=None, metavar="FILE.json",
-                   help="step-time model written by `batchserve profile`")
-    g = p.add_argument_group("admission queue")
+    for title in ("model", "kv cache", "scheduling"):
+        add_config_args(p.add_argument_group(title), _GROUPS[title])
+    g = p.add_argument_group("admission queue")  # whole queues, not fields: config.queue_from_flags
     g.add_argument("--queue-capacity", type=int, default=None, metavar="N",
                    help="one queue level holding at most N waiting requests; more are refused (503)")
     g.add_argument("--queue-config", default=None, metavar="FILE.yaml",
@@ -70,40 +89,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config(a: argparse.Namespace) -> EngineConfig:
-    from batchserve.config import ConfigError, QueueConfig
-
-    capacity, path = getattr(a, "queue_capacity", None), getattr(a, "queue_config", None)
-    if capacity is not None and path is not None:
-        raise ConfigError("--queue-capacity and --queue-config: give one or the other")
-    queue = QueueConfig()
-    if capacity is not None:
-        queue = QueueConfig.bounded(capacity)
-    elif path is not None:
-        import yaml
-
-        try:
-            with open(path) as f:
-                queue = QueueConfig.from_dict(yaml.safe_load(f) or {})
-        except (OSError, yaml.YAMLError) as e:
-            raise ConfigError(f"--queue-config {path}: {e}") from None
-    return EngineConfig(
-        model=ModelConfig(model=a.model, dtype=a.dtype, device=a.device, num_threads=a.threads,
-                          attention_backend=getattr(a, "attention_backend", "auto"),
-                          linear_backend=getattr(a, "linear_backend", "auto"),
-                          matmul_dtype=getattr(a, "matmul_dtype", "auto"),
-                          quantized_weights=getattr(a, "quantized_weights", "auto")),
-        cache=CacheConfig(block_size=a.block_size, kv_cache_gb=a.kv_cache_gb, num_blocks=a.num_blocks,
-                          prefix_caching=a.prefix_caching, kv_cache_dtype=getattr(a, "kv_cache_dtype", "auto")),
-        scheduler=SchedulerConfig(policy=a.policy, max_num_seqs=a.max_num_seqs,
-                                  max_num_batched_tokens=a.max_num_batched_tokens, chunk_size=a.chunk_size,
-                                  window_ms=a.window_ms, max_batch=a.max_batch,
-                                  window_min_ms=a.window_min_ms, window_max_ms=a.window_max_ms,
-                                  slo_p99_ms=a.slo_p99_ms, bucket_by_length=a.bucket_by_length,
-                                  prefill_max_batch=a.prefill_max_batch, decode_max_batch=a.decode_max_batch,
-                                  cascade_ratio=a.cascade_ratio, cascade_workers=a.cascade_workers,
-                                  latency_profile=a.latency_profile),
-        queue=queue,
-    )
+    """EngineConfig from parsed flags (without a config file)."""
+    return from_sources(None, *namespace_sources(a))[0]
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -134,23 +121,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
-    """Flags that map onto ServerConfig fields (server/config.py), and --config."""
-    from batchserve.server.config import ServerConfig
-
+    """Flags that map onto ServerConfig fields, --config, and the Ray deployment."""
     g = p.add_argument_group("server")
-    g.add_argument("--host", default=ServerConfig.host)
-    g.add_argument("--port", type=int, default=ServerConfig.port)
-    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
-    g.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes,
-                   help="larger request bodies get 413")
-    g.add_argument("--grace-period-s", type=float, default=ServerConfig.grace_period_s,
-                   help="on SIGTERM, how long requests in flight may take to finish")
-    g.add_argument("--served-model-name", default=None, help="the model name clients use (default: the model's)")
-    g.add_argument("--default-max-tokens", type=int, default=ServerConfig.default_max_tokens,
-                   help="cap for chat requests that set no max_tokens")
+    add_config_args(g, ServerConfig)
     g.add_argument("--config", default=None, metavar="FILE.yaml",
-                   help="sections model/cache/scheduler/queue/server mapping onto the config dataclasses; "
-                        "flags with non-default values win")
+                   help="sections model/cache/scheduler/queue/server of config fields; flags given win")
     g = p.add_argument_group("ray (pip install 'batchserve[ray]'; docs/ray.md)")
     g.add_argument("--ray", action="store_true", help="run the engines as Ray actors behind this endpoint")
     g.add_argument("--address", default=None,
@@ -185,7 +160,7 @@ def add_simulate_parser(sub: argparse._SubParsersAction, common: argparse.Argume
     g.add_argument("--burstiness", type=float, default=None, help="gamma arrivals: CV^2 of the gaps")
     g.add_argument("--arrival-args", default=None, help='JSON of more arrival parameters, e.g. \'{"step_s": 5}\'')
     g.add_argument("--scale", type=float, default=None, help="multiply every length of the mix")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="workload and sampling seed")
     g.add_argument("--hardware", default=None, choices=sorted(GPUS), help="roofline GPU (default a100-80gb)")
     g.add_argument("--profile", default=None, metavar="FILE.json", help="step times from `batchserve profile`")
     g.add_argument("--max-model-len", type=int, default=None, help="override the model's context length")
@@ -223,7 +198,7 @@ def cmd_profile(a: argparse.Namespace) -> int:
 def add_profile_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     """`batchserve profile`: step times on this machine -> latency model, memory bound, knee."""
     s = sub.add_parser("profile", parents=[common], help="measure step times, fit a latency model (JSON)")
-    s.add_argument("--out", default="profile.json", metavar="FILE.json")
+    s.add_argument("--out", default="profile.json", metavar="FILE.json", help="where the profile is written")
     s.add_argument("--quick", action="store_true", help="tiny dummy model, small grid (seconds)")
     s.add_argument("--reps", type=int, default=3, help="timed repetitions per point (median)")
     add_engine_args(s)
@@ -232,17 +207,17 @@ def add_profile_parser(sub: argparse._SubParsersAction, common: argparse.Argumen
 
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--log-level", default="INFO")
+    common.add_argument("--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING, ...)")
     p = argparse.ArgumentParser(prog="batchserve", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", parents=[common], help="generate offline for one or more prompts")
     g.add_argument("prompts", nargs="+")
     g.add_argument("--raw", action="store_true", help="no chat template")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt, at most")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: smallest set of this probability")
+    g.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens (0: all)")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (default: unseeded)")
     add_engine_args(g)
     g.set_defaults(func=cmd_generate)
     s = sub.add_parser("serve", parents=[common], help="serve the OpenAI-compatible HTTP API")
@@ -268,3 +243,105 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, RequestError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+_DOC_HEAD = """# Command-line flags
+
+Generated from the parser by `python -m batchserve.cli --flags-markdown > docs/flags.md`
+(tests/test_cli_config.py fails when the two differ). The flags of the model, kv cache,
+scheduling and server groups are fields of the dataclasses in `batchserve/config.py`: the
+default, type and help here come from the field, the notes under each table from the class
+docstring.
+
+`batchserve serve --config FILE.yaml` takes the same fields as a file, one mapping per section
+(`model`, `cache`, `scheduler`, `queue`, `server`), keys the field names:
+
+    cache: {kv_cache_gb: 0.5}
+    scheduler: {policy: continuous, max_num_seqs: 32}
+    queue: {levels: [{name: high, priorities: "7-10", capacity: 100}, ...]}
+    server: {port: 8080, api_key: secret, grace_period_s: 20}
+
+Each field comes from the first of: a flag given on the command line, the file, the
+subcommand's default, the dataclass default (`batchserve.config.from_sources`).
+"""
+
+
+def _cell(text: Any) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _row(a: argparse.Action) -> str:
+    flag = ", ".join(a.option_strings) or a.dest
+    if a.nargs == 0:
+        kind = "switch"
+    elif a.choices is not None:
+        kind = " | ".join(map(str, a.choices))
+    else:
+        kind = getattr(a.type, "__name__", "str")
+        kind += {"+": " ...", "*": " ..."}.get(a.nargs, "")
+    default = "" if a.default is None or a.nargs == 0 else f"`{a.default}`"
+    return f"| `{flag}` | {_cell(kind)} | {default} | {_cell(a.help or '')} |"
+
+
+def _table(actions: list[argparse.Action]) -> list[str]:
+    return ["| flag | type | default | help |", "|---|---|---|---|", *map(_row, actions)]
+
+
+def _groups(p: argparse.ArgumentParser) -> list[tuple[str, list[argparse.Action]]]:
+    return [(g.title or "", [a for a in g._group_actions if not isinstance(a, argparse._HelpAction)])
+            for g in p._action_groups]
+
+
+def flags_markdown(parser: argparse.ArgumentParser | None = None) -> str:
+    """docs/flags.md: every subcommand's flags as tables, the engine groups once (with the
+    subcommands that change their defaults), the config dataclasses' docstrings as notes, and
+    the fields a config file may set that are no flags."""
+    p = parser or build_parser()
+    sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
+    helps = {a.dest: a.help for a in sub._choices_actions}
+    out = [_DOC_HEAD, "## Subcommands", "", *(f"- `{n}`: {helps.get(n, '')}" for n in sub.choices), ""]
+    engine = {}  # group title -> actions, from the first subcommand that has the group
+    for name, sp in sub.choices.items():
+        for title, actions in _groups(sp):
+            if title in _ENGINE_GROUPS:
+                engine.setdefault(title, actions)
+    users = [n for n, sp in sub.choices.items() if any(t in _ENGINE_GROUPS for t, _ in _groups(sp))]
+    out += ["## Engine flags", "", f"Taken by {', '.join(f'`{n}`' for n in users)}.", ""]
+    for title in _ENGINE_GROUPS:
+        if title not in engine:
+            continue
+        out += [f"### {title}", "", *_table(engine[title]), ""]
+        for name in users:
+            own = {a.dest: a for t, acts in _groups(sub.choices[name]) if t == title for a in acts}
+            changed = [a for a in engine[title] if a.dest in own and own[a.dest].default != a.default]
+            if changed:
+                out += [f"`{name}` defaults: " + ", ".join(f"`{a.option_strings[0]} {own[a.dest].default}`"
+                                                          for a in changed) + ".", ""]
+        if title in _GROUPS:
+            out += [inspect.cleandoc(_GROUPS[title].__doc__ or ""), ""]
+    for name, sp in sub.choices.items():
+        out += [f"## `{name}`", ""]
+        for title, actions in _groups(sp):
+            if title in _ENGINE_GROUPS or not actions:
+                continue
+            out += [f"### {title}", "", *_table(actions), ""]
+            if title in _GROUPS:
+                out += [inspect.cleandoc(_GROUPS[title].__doc__ or ""), ""]
+    out += ["## Config file only", "", "Fields a `--config` file (or code) may set that have no flag.", "",
+            "| key | default | help |", "|---|---|---|"]
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            if not f.metadata.get("cli", True):
+                default = f.default_factory() if callable(f.default_factory) else f.default
+                shown = f"`{default}`" if isinstance(default, (str, int, float, dict)) else ""
+                out.append(f"| `{section}.{f.name}` | {shown} | {_cell(f.metadata.get('help', ''))} |")
+    out += ["", "`queue.levels` entries (a list of mappings, or a mapping name -> fields; `priorities` "
+            "also as one int or a range like \"7-10\"):", "", inspect.cleandoc(LevelConfig.__doc__ or "")]
+    return "\n".join(out).rstrip() + "\n"
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--flags-markdown"]:
+        sys.stdout.write(flags_markdown())
+        sys.exit(0)
+    sys.exit(main())

@@ -1,10 +1,30 @@
-"""Configuration: one tree of frozen dataclasses. Validation only, no I/O."""
+"""Configuration: one tree of frozen dataclasses, the one place each default is written, and
+the one place the sources of a configuration are merged.
+
+A field that is a command-line flag says so in its metadata, which `batchserve.cli` reads to
+generate the flag (name, type, default, choices, help); the flag's namespace attribute (its
+dest) is the flag name without dashes. Metadata keys:
+
+    help     the flag's help: one line (explanations belong in the class docstring)
+    flag     the flag's name where it is not `--` + the field name with `_` -> `-`
+    choices  what the flag accepts, where that is not the annotation's Literal
+    metavar  argparse's metavar
+    cli      False: not a flag (set in code or in a config file only)
+
+`from_sources` layers, lowest first: the dataclass defaults, a command's own defaults, a config
+file, flags given explicitly. Validation lives in `__post_init__`; the only I/O is reading the
+YAML files that `--config` and `--queue-config` name (`read_yaml`).
+"""
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-_DTYPES = ("float32", "bfloat16", "float16")
+Dtype = Literal["float32", "bfloat16", "float16"]
+_DTYPES = typing.get_args(Dtype)
 
 
 class ConfigError(ValueError):
@@ -16,33 +36,60 @@ def _check(cond: bool, name: str, msg: str) -> None:
         raise ConfigError(f"{name}: {msg}")
 
 
+def _flag(default: Any, help: str, **meta: Any) -> Any:
+    """A field that is a command-line flag: its default and one line of help (metadata above)."""
+    return field(default=default, metadata={"help": help, **meta})
+
+
+def _file_only(default: Any, help: str) -> Any:
+    """A field that is no flag: set in code or in a config file (`help` documents it there)."""
+    return field(default=default, metadata={"help": help, "cli": False})
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which weights to load and where to run them.
 
     `model` is a GGUF file, a Hugging Face directory, the alias `smollm2-135m-instruct`,
     or `dummy` (random weights of `dummy_config`, for benchmarks of other shapes).
+
+    `attention_backend`: decode attention and the fused layer ops. auto: the C++ decode kernel
+    and fused layer ops where they build (CPU, float32), else PyTorch; torch: PyTorch only;
+    cpp: require the C++ kernels.
+
+    `linear_backend`: the float32 matrix products. auto: the C++ panel GEMM on an AVX-512 CPU,
+    else oneDNN on packed weights where it runs, else F.linear; cpp, onednn, torch: require one.
+
+    `matmul_dtype` (`runner.model_runner.resolve_matmul_dtype`): auto is int16 on a CPU with
+    AVX512-VNNI for a float32 model with GGUF blocks (the C++ GEMM), else the products run in
+    `dtype`. float32 gives products bit-identical to the dequantized weights'. bfloat16 with
+    dtype float32 runs the decoder layers' products in bf16 (half the weight bytes; faster where
+    the CPU has bf16 instructions) and all else in float32. int16 / int8: a GGUF file's Q4_0,
+    Q4_1, Q4_K and Q8_0 matrices multiply activations quantized to int16 / int8 per 32 values
+    (AVX512-VNNI integer dot products): int16 gives the float32 model's output, int8 is
+    llama.cpp's scheme and differs more. Both need dtype float32, quantized_weights auto, device
+    cpu and linear_backend auto or cpp.
+
+    `quantized_weights`: auto keeps a GGUF file's Q4_0 / Q4_1 / Q4_K / Q6_K / Q8_0 matrices in
+    their blocks and the C++ GEMM multiplies from them (CPU, float32 activations; with float32
+    products the same products as the dequantized weights, bit for bit), reading several times
+    fewer weight bytes than float32; off dequantizes at load.
     """
 
-    model: str = DEFAULT_MODEL
-    dtype: str = "float32"
-    device: str = "cpu"
-    num_threads: int = 0  # 0: leave torch's default
-    dummy_config: dict | None = None
-    seed: int = 0
-    attention_backend: str = "auto"  # auto: C++ decode kernel + fused layer ops when they build (CPU, fp32); torch; cpp
-    linear_backend: str = "auto"  # auto: C++ panel GEMM on AVX-512, else oneDNN where it runs; cpp; onednn; torch
-    # auto: int16 on a CPU with AVX512-VNNI for a float32 model with GGUF blocks (the C++ GEMM),
-    # else the matrix products in `dtype` (model_runner.resolve_matmul_dtype); bfloat16 with dtype
-    # float32: the decoder layers' products in bf16 (half the weight bytes; where the CPU has bf16
-    # instructions, faster), all else float32; int8 / int16: a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0
-    # matrices multiply activations quantized to int8 / int16 per 32 k into their integer quants
-    # (AVX512-VNNI; int16 gives the float32 model's output, int8 is llama.cpp's scheme)
-    matmul_dtype: str = "auto"
-    # auto: a GGUF file's Q4_0 / Q4_1 / Q4_K / Q6_K / Q8_0 matrices stay in their blocks and the
-    # C++ GEMM multiplies from them (CPU, float32 activations; with float32 products the same
-    # products as the dequantized weights, bit for bit), from 3-5x fewer weight bytes; off: dequantize at load
-    quantized_weights: str = "auto"
+    model: str = _flag(DEFAULT_MODEL, "GGUF file, HF directory, alias or 'dummy'")
+    dtype: Dtype = _flag("float32", "weights and activations dtype")
+    device: str = _flag("cpu", "cpu or cuda[:N]")
+    num_threads: int = _flag(0, "torch threads (0: torch default)", flag="--threads")
+    dummy_config: dict | None = _file_only(None, "dummy: the Hugging Face config.json fields of the random model")
+    seed: int = _file_only(0, "seed of the sampling generator")
+    attention_backend: Literal["auto", "torch", "cpp"] = _flag(
+        "auto", "decode attention and fused layer ops: C++ where it builds (auto), torch only, or require cpp")
+    linear_backend: Literal["auto", "cpp", "onednn", "torch"] = _flag(
+        "auto", "float32 matrix products: C++ GEMM or oneDNN where they run (auto), or require one")
+    matmul_dtype: str = _flag("auto", "matrix products in (auto: int16 where it runs, else --dtype); int16 / int8 "
+                              "need GGUF blocks", choices=("auto", "float32", "bfloat16", "int16", "int8"))
+    quantized_weights: Literal["auto", "off"] = _flag(
+        "auto", "auto: multiply from a GGUF file's quantized blocks as stored; off: dequantize at load")
 
     def __post_init__(self) -> None:
         _check(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
@@ -72,17 +119,21 @@ class ModelConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache: `block_size` tokens per block, pool sized from `kv_cache_gb`
-    unless `num_blocks` is given."""
+    unless `num_blocks` is given.
 
-    block_size: int = 16
-    kv_cache_gb: float = 1.0
-    num_blocks: int | None = None
-    prefix_caching: bool = False
-    # auto: float16 where the C++ attention kernels run (a float32 model on the CPU), else the model's
-    # dtype (runner.model_runner.resolve_kv_cache_dtype); bfloat16 / float16: K/V stored in 16 bits
-    # (half the bytes, twice the tokens per GB; attention math stays in the model's dtype); int8: a
-    # scale per token and kv head (~0.53x float16's bytes; C++ kernels on the CPU only)
-    kv_cache_dtype: str = "auto"
+    `kv_cache_dtype` (`runner.model_runner.resolve_kv_cache_dtype`): auto is float16 where the
+    C++ attention kernels run (a float32 model on the CPU), else the model's dtype. bfloat16 /
+    float16 store K/V in 16 bits (half float32's bytes, twice the tokens per GB; attention math
+    stays in the model's dtype); int8 stores a scale per token and kv head besides (a little over
+    half float16's bytes; C++ kernels on the CPU only); float32 keeps the cache exact.
+    """
+
+    block_size: int = _flag(16, "tokens per KV cache block")
+    kv_cache_gb: float = _flag(1.0, "KV cache pool in GiB (unless --num-blocks)")
+    num_blocks: int | None = _flag(None, "override the pool size")
+    prefix_caching: bool = _flag(False, "reuse the KV blocks of prompt prefixes already computed")
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "int8"] = _flag(
+        "auto", "KV cache storage dtype (auto: float16 where the C++ kernels run, else --dtype)")
 
     def __post_init__(self) -> None:
         _check(self.block_size >= 1, "block_size", "must be >= 1")
@@ -111,22 +162,22 @@ class SchedulerConfig:
     `latency_profile`: a JSON file written by `batchserve profile` (step-time model).
     """
 
-    policy: str = "continuous"
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    chunk_size: int = 512
-    window_ms: float = 50.0
-    max_batch: int = 32
-    window_min_ms: float = 15.0
-    window_max_ms: float = 120.0
-    slo_p99_ms: float = 2000.0
-    bucket_by_length: bool = False
-    prefill_max_batch: int = 64
-    decode_max_batch: int = 16
-    cascade_ratio: int = 4
-    cascade_workers: bool = False
-    latency_profile: str | None = None
-    extra: dict = field(default_factory=dict)
+    policy: str = _flag("continuous", "static | dynamic | continuous | chunked | cascade")
+    max_num_seqs: int = _flag(64, "most sequences in one step")
+    max_num_batched_tokens: int = _flag(2048, "most tokens in one step")
+    chunk_size: int = _flag(512, "chunked: tokens per prompt chunk")
+    window_ms: float = _flag(50.0, "static: collection window; dynamic: its starting window")
+    max_batch: int = _flag(32, "static: batch cap; dynamic: its starting cap")
+    window_min_ms: float = _flag(15.0, "dynamic: shortest window")
+    window_max_ms: float = _flag(120.0, "dynamic: longest window")
+    slo_p99_ms: float = _flag(2000.0, "dynamic: P99 end-to-end target that steers the max batch and caps the window")
+    bucket_by_length: bool = _flag(False, "dynamic: batch similar lengths together")
+    prefill_max_batch: int = _flag(64, "cascade: prefill cap")
+    decode_max_batch: int = _flag(16, "cascade: decode cap")
+    cascade_ratio: int = _flag(4, "cascade: decode steps between prefill steps while both stages have work")
+    cascade_workers: bool = _flag(False, "cascade: prefill and decode in two worker processes, KV handed across")
+    latency_profile: str | None = _flag(None, "step-time model written by `batchserve profile`", metavar="FILE.json")
+    extra: dict = field(default_factory=dict, metadata={"cli": False, "help": "more settings for a policy"})
 
     def __post_init__(self) -> None:
         _check(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
@@ -151,7 +202,7 @@ _KINDS = ("hard", "soft")
 
 @dataclass(frozen=True)
 class LevelConfig:
-    """One priority level of the admission queue (S1.2, S1.3).
+    """One priority level of the admission queue.
 
     `priorities`: the request priorities (0-10) it takes. `capacity`: queued requests it holds
     (None: unbounded). `overflow`: what a full level does with a new request: `reject` it
@@ -187,10 +238,11 @@ class QueueConfig:
     `urgent_slack_ms`; None switches either rule off. `retry_after_s` is the least Retry-After
     a refusal suggests. The default, one unbounded level, is a plain priority queue."""
 
-    levels: tuple[LevelConfig, ...] = (LevelConfig("default"),)
-    urgent_after_ms: float | None = None
-    urgent_slack_ms: float | None = 50.0
-    retry_after_s: float = 1.0
+    levels: tuple[LevelConfig, ...] = _file_only(
+        (LevelConfig("default"),), "the priority levels (default: one unbounded level taking every priority)")
+    urgent_after_ms: float | None = _file_only(None, "promote to the urgent lane after waiting this long")
+    urgent_slack_ms: float | None = _file_only(50.0, "promote to the urgent lane when the slack drops under this")
+    retry_after_s: float = _file_only(1.0, "the least Retry-After a refusal suggests")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "levels", tuple(self.levels))
@@ -257,9 +309,163 @@ def _parse_priorities(v: object) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """The whole tree; CLI flags map onto its leaves."""
+    """The whole engine tree; CLI flags map onto its leaves."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     queue: QueueConfig = field(default_factory=QueueConfig)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP layer of `batchserve serve`. `served_model_name` (default: the model's alias or
+    file name) is the name clients pass as `model`; `default_max_tokens` caps chat answers that
+    set no limit; on SIGTERM, requests in flight get `grace_period_s` to finish."""
+
+    host: str = _flag("127.0.0.1", "address to listen on")
+    port: int = _flag(8000, "port to listen on (0: any free port)")
+    api_key: str | None = _flag(None, "require 'Authorization: Bearer KEY' on /v1/*")
+    max_body_bytes: int = _flag(1 << 20, "larger request bodies get 413")
+    grace_period_s: float = _flag(30.0, "on SIGTERM, how long requests in flight may take to finish")
+    served_model_name: str | None = _flag(None, "the model name clients use (default: the model's)")
+    default_max_tokens: int = _flag(1024, "cap for chat requests that set no max_tokens")
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ConfigError(f"server.port: must be an integer in [0, 65535], got {self.port!r}")
+        if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1024:
+            raise ConfigError(f"server.max_body_bytes: must be an integer >= 1024, got {self.max_body_bytes!r}")
+        if not isinstance(self.grace_period_s, (int, float)) or self.grace_period_s < 0:
+            raise ConfigError(f"server.grace_period_s: must be >= 0, got {self.grace_period_s!r}")
+        if not isinstance(self.default_max_tokens, int) or self.default_max_tokens < 1:
+            raise ConfigError(f"server.default_max_tokens: must be an integer >= 1, got {self.default_max_tokens!r}")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
+            raise ConfigError("server.api_key: must be a non-empty string")
+
+
+# The sections of a configuration: EngineConfig's fields, then `server`. A config file has one
+# mapping per section; flags are {section: {field: value}}.
+SECTIONS: dict[str, type] = {**{f.name: f.default_factory for f in dataclasses.fields(EngineConfig)},
+                             "server": ServerConfig}
+
+# The namespace attribute in which batchserve.cli records the dests of the flags given on the
+# command line (argparse itself does not tell a default from a value typed out).
+EXPLICIT = "_explicit_dests"
+
+
+def cli_fields(cls: type) -> list[dataclasses.Field]:
+    """The fields of a config dataclass that are command-line flags, in declaration order."""
+    return [f for f in dataclasses.fields(cls) if f.metadata.get("cli", True)]
+
+
+def flag_name(f: dataclasses.Field) -> str:
+    """The flag of a field: metadata `flag`, else `--` + its name with `_` -> `-` (`--no-` +
+    that for a bool whose default is True, since giving the flag switches it off)."""
+    if "flag" in f.metadata:
+        return f.metadata["flag"]
+    name = f.name.replace("_", "-")
+    return f"--no-{name}" if f.default is True else f"--{name}"
+
+
+def flag_dest(f: dataclasses.Field) -> str:
+    """The namespace attribute of a field's flag: the flag without dashes (and without `no-`)."""
+    name = flag_name(f).removeprefix("--")
+    if f.default is True:
+        name = name.removeprefix("no-")
+    return name.replace("-", "_")
+
+
+def read_yaml(path: str, what: str) -> Any:
+    """A YAML file's document ({} when empty); `what` (the flag) names it in errors."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            return yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"{what} {path}: {e}") from None
+
+
+def queue_from_flags(capacity: int | None, path: str | None) -> QueueConfig | None:
+    """The queue `--queue-capacity N` or `--queue-config FILE.yaml` asks for; None for neither."""
+    if capacity is not None and path is not None:
+        raise ConfigError("--queue-capacity and --queue-config: give one or the other")
+    if capacity is not None:
+        return QueueConfig.bounded(capacity)
+    if path is not None:
+        return QueueConfig.from_dict(read_yaml(path, "--queue-config"))
+    return None
+
+
+def _values(obj: Any) -> dict[str, Any]:
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+
+
+def namespace_sources(ns: Any) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """(explicit, implicit) flag values of a parsed command line, as {section: {field: value}}.
+
+    A field is read from the attribute named by `flag_dest`; one the namespace lacks (its
+    command has no such flag) is left to the lower layers. Explicit: the dests the parser
+    recorded under `EXPLICIT`; a namespace without that record (built by hand) counts each value
+    that differs from its field's default. Implicit: the rest, the command's own defaults. The
+    queue flags, when given, are explicit and set the whole queue section.
+    """
+    recorded = getattr(ns, EXPLICIT, None)
+    explicit: dict[str, dict[str, Any]] = {}
+    implicit: dict[str, dict[str, Any]] = {}
+    for section, cls in SECTIONS.items():
+        defaults = _values(cls())
+        for f in cli_fields(cls):
+            dest = flag_dest(f)
+            if not hasattr(ns, dest):
+                continue
+            value = getattr(ns, dest)
+            given = dest in recorded if recorded is not None else value != defaults[f.name]
+            (explicit if given else implicit).setdefault(section, {})[f.name] = value
+    queue = queue_from_flags(getattr(ns, "queue_capacity", None), getattr(ns, "queue_config", None))
+    if queue is not None:
+        explicit["queue"] = _values(queue)
+    return explicit, implicit
+
+
+def _file_section(name: str, cls: type, doc: Any) -> dict[str, Any]:
+    """A config file's section as field values, checked against the dataclass."""
+    if hasattr(cls, "from_dict"):  # a section with structure of its own (the queue's levels): set whole
+        return _values(cls.from_dict(doc))
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{name}: expected a mapping, got {type(doc).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(doc) - known)
+    if unknown:
+        raise ConfigError(f"{name}: unknown keys {unknown}; expected some of {sorted(known)}")
+    return dict(doc)
+
+
+def from_sources(file_doc: Mapping[str, Any] | None = None,
+                 explicit: Mapping[str, Mapping[str, Any]] | None = None,
+                 implicit: Mapping[str, Mapping[str, Any]] | None = None) -> tuple[EngineConfig, ServerConfig]:
+    """The engine and server configs from every source, each field from the highest layer
+    that sets it: `explicit` (flags given on the command line) over `file_doc` (a parsed
+    `--config` file: a mapping of sections) over `implicit` (a command's own defaults) over
+    the dataclass defaults. `explicit` and `implicit` are {section: {field: value}}."""
+    explicit, implicit = explicit or {}, implicit or {}
+    doc: Mapping[str, Any] = {} if file_doc is None else file_doc
+    if not isinstance(doc, dict):
+        raise ConfigError(f"config file: expected a mapping, got {type(doc).__name__}")
+    engine_sections = [s for s in SECTIONS if s != "server"]
+    unknown = sorted(set(doc) - set(SECTIONS))
+    if unknown:
+        raise ConfigError(f"config file: unknown sections {unknown}; expected {sorted(engine_sections) + ['server']}")
+    parts = {}
+    for name, cls in SECTIONS.items():
+        values = dict(implicit.get(name, {}))
+        if doc.get(name) is not None:
+            values.update(_file_section(name, cls, doc[name]))
+        values.update(explicit.get(name, {}))
+        try:
+            parts[name] = cls(**values)
+        except TypeError as e:
+            raise ConfigError(f"{name}: {e}") from None
+    server = parts.pop("server")
+    return EngineConfig(**parts), server
