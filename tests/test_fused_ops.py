@@ -19,6 +19,8 @@ from batchserve.runner.loader import load_model
 from batchserve.runner.model_runner import ModelRunner
 from batchserve.runner.models.llama import apply_rope
 
+pytestmark = pytest.mark.kernel
+
 GREEDY = SamplingParams(temperature=0.0)
 
 

@@ -16,7 +16,7 @@ from server_helpers import MODEL, build_engine, start_server, wait_idle
 from batchserve.config import CacheConfig, EngineConfig
 from batchserve.request import SamplingParams
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.http]
 
 POISON = [7, 7, 7, 7, 7, 7, 7, 13]  # a prompt starting with POISON + [k] fails at its k-th output token
 

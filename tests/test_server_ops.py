@@ -27,6 +27,7 @@ def _metric_values(text: str) -> dict[tuple[str, tuple], float]:
 
 
 @pytest.mark.model
+@pytest.mark.http
 def test_overload_refuses_with_503_and_leaks_nothing() -> None:
     if not hasattr(EngineConfig(), "queue"):
         pytest.skip("the admission queue (EngineConfig.queue, --queue-capacity) has not landed yet")
@@ -109,6 +110,7 @@ def _stream_in_thread(url: str, headers: dict, body: dict, first: threading.Even
 
 
 @pytest.mark.model
+@pytest.mark.http
 def test_serve_process_health_auth_limits_and_graceful_sigterm(tmp_path) -> None:
     (tmp_path / "serve.yaml").write_text(
         "cache: {kv_cache_gb: 0.1}\nserver: {api_key: sekrit, served_model_name: tiny, grace_period_s: 120}\n")
