@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -16,7 +17,6 @@ from batchserve.runner.loader import load_model
 from batchserve.runner.model_runner import ModelRunner
 from batchserve.runner.models.llama import Linear
 
-gguf = pytest.importorskip("gguf")
 pytestmark = [pytest.mark.kernel, pytest.mark.skipif("gemm_ext() is None", reason="no C++ toolchain")]
 FORMATS = {"Q4_1": 0, "Q8_0": 1, "Q4_0": 2, "Q4_K": 3, "Q6_K": 4}  # pack_q's source codes
 PANEL = {"Q4_1": 0, "Q8_0": 1, "Q4_0": 0, "Q4_K": 0, "Q6_K": 2}  # gemm_q's panel layouts
