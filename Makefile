@@ -26,8 +26,22 @@ serve: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m batchserve generate "What is the capital of France?"
 
+# Tests. Run `make test-fast` after every edit: the model-free tests (fake executor, virtual
+# clock; no real model, no C++ kernel build, no server or socket, no Ray, nothing slow), well
+# under a minute. Run `make test`, the whole suite and what CI runs (.ci/run), before a commit and
+# after touching the runner, the C++ kernels (runner/csrc), the server, the Ray code or the
+# benchmarks; its first run on a machine builds the kernels (minutes). The markers that split
+# them are in pyproject.toml, and tests/conftest.py fails a test that loads the real model or
+# reaches runner/kernels.py without its marker. ARGS passes pytest flags to both, e.g.
+# `make test-fast ARGS="-k queue"` or `make test ARGS="-m kernel"`.
+FAST := not model and not kernel and not http and not ray and not slow
+
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
+
+.PHONY: test-fast
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m "$(FAST)" $(ARGS)
 
 # Benchmarks want a quiet machine (no build, test run or second server beside them).
 # In-process sections of BENCHMARKS.md (33 minutes here in session 10), then the HTTP comparison.

@@ -2,6 +2,8 @@
 KV blocks when the test ends: every request must be finished and every block back."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from batchserve.config import CacheConfig, EngineConfig, QueueConfig, SchedulerConfig
@@ -61,3 +63,93 @@ def kv_leak_check():
     for eng in engines:
         assert not eng.scheduler.has_unfinished, "test left requests unfinished"
         eng.kv.check_all_free()
+
+
+# --- test tiers (markers: pyproject.toml; targets: Makefile) ----------------------------------
+# A test may load the real model only when marked `model`, and call runner/kernels.py (which
+# compiles the C++ extensions on first use: minutes on a fresh machine) only when marked `kernel`
+# or `model`; otherwise it fails loudly, so that `make test-fast` stays model- and build-free.
+# While the test modules are imported, kernels.py answers None (no kernel here) without
+# building when the -m expression leaves out the kernel tests: a module may ask at import which
+# kernels exist (to parametrize), and only kernel tests depend on the answer. Processes that a
+# test starts (a server, Ray actors) are out of sight here: such tests carry `http` / `ray`.
+_KERNEL_OK = ("kernel", "model")
+_tier = {"item": None, "collect_builds": True}  # the test being run; kernels at import time
+_violations: dict[str, list[str]] = {}  # nodeid -> what it did that its markers do not allow
+
+
+class TierViolation(Exception):
+    """A test did something that its markers do not declare (see the note above)."""
+
+
+def _allowed(item, markers: tuple[str, ...]) -> bool:
+    return any(item.get_closest_marker(m) for m in markers)
+
+
+def _violation(item, what: str, markers: tuple[str, ...]) -> TierViolation:
+    msg = (f"{item.nodeid} {what} but is not marked {' or '.join(markers)}: add "
+           f"`pytestmark = pytest.mark.{markers[0]}` (or mark the test) so that `make test-fast` leaves it out")
+    _violations.setdefault(item.nodeid, []).append(msg)
+    return TierViolation(msg)
+
+
+def _kernels_selected(config) -> bool:
+    """Whether the -m expression can select a test marked kernel (alone or with model)."""
+    expr = config.getoption("markexpr", "")
+    if not expr:
+        return True
+    try:
+        from _pytest.mark.expression import Expression
+
+        compiled = Expression.compile(expr)
+        return any(compiled.evaluate(lambda name, _on=on, **kw: name in _on)
+                   for on in ({"kernel"}, {"kernel", "model"}))
+    except Exception:  # pytest's private API moved: build as before
+        return True
+
+
+def _install_tier_guards(config) -> None:
+    from batchserve.runner import kernels, loader
+
+    get, resolve = kernels._get, loader.resolve_model_path
+    _tier["collect_builds"] = _kernels_selected(config)
+
+    def guarded_get(name, source, what):
+        item = _tier["item"]
+        if item is None and not _tier["collect_builds"]:
+            return None
+        if item is not None and not _allowed(item, _KERNEL_OK):
+            raise _violation(item, f"called runner/kernels.py for the {what}", _KERNEL_OK)
+        return get(name, source, what)
+
+    def guarded_resolve(model):
+        path = resolve(model)
+        item = _tier["item"]
+        real = model in loader._ALIASES or os.path.basename(path) == loader.SMOLLM2_FILE
+        if real and item is not None and not _allowed(item, ("model",)):
+            raise _violation(item, f"loaded the real model ({model})", ("model",))
+        return path
+
+    kernels._get, loader.resolve_model_path = guarded_get, guarded_resolve
+
+
+def pytest_configure(config):
+    _install_tier_guards(config)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _tier["item"] = item
+    yield
+    _tier["item"] = None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A violation fails the test even where the code under test caught the TierViolation (or
+    skipped because of it)."""
+    outcome = yield
+    rep = outcome.get_result()
+    found = _violations.pop(item.nodeid, None)
+    if found and not rep.failed:
+        rep.outcome, rep.longrepr = "failed", "\n".join(dict.fromkeys(found))

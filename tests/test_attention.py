@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from batchserve.runner.attention import AttnMeta, gather_slots, paged_attention
 from batchserve.runner.kernels import paged_attention_ext
 
+pytestmark = pytest.mark.kernel
+
 
 def reference(q_full, k_full, v_full):
     """Causal attention over one whole sequence: [n, n_h, hd] x [n, n_kv, hd]."""

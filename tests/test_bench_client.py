@@ -14,6 +14,8 @@ from batchserve.bench.client import ClientConfig, parse_metrics, run
 from batchserve.bench.metrics import summarize
 from batchserve.bench.workload import WorkItem
 
+pytestmark = pytest.mark.http
+
 METRICS = """# HELP batchserve:num_requests_waiting Queued requests.
 # TYPE batchserve:num_requests_waiting gauge
 batchserve:num_requests_waiting 3.0

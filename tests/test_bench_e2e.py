@@ -11,7 +11,7 @@ import pytest
 
 from batchserve.bench.report import load_report
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.http]
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import pytest
 
 from batchserve.bench.metrics import RequestRecord, summarize
 from batchserve.bench.plots import timeline_series
@@ -48,6 +49,7 @@ def test_timeline_series_panels():
     assert not any("requests_total" in k for panel in s.values() for k in panel)
 
 
+@pytest.mark.slow  # renders the report's plots
 def test_write_load_and_compare(tmp_path):
     dirs = []
     for label, speed in (("fast", 1.0), ("slow", 3.0)):

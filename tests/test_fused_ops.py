@@ -19,6 +19,8 @@ from batchserve.runner.model_runner import ModelRunner
 from batchserve.runner.models.llama import apply_rope
 from batchserve.runner.profiler import TINY_MODEL
 
+pytestmark = pytest.mark.kernel
+
 GREEDY = SamplingParams(temperature=0.0)
 
 

@@ -16,6 +16,8 @@ from batchserve.runner.kernels import fused_ops_ext, paged_attention_ext
 from batchserve.runner.loader import load_model
 from batchserve.runner.model_runner import ModelRunner
 
+pytestmark = pytest.mark.kernel
+
 # head_dim 64, as the int8 cache's prompt kernel wants; two kv heads of two query heads each
 HD64_MODEL = {"vocab_size": 512, "hidden_size": 256, "intermediate_size": 256, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048}

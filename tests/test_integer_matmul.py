@@ -12,7 +12,7 @@ from batchserve.runner.models.llama import Linear, LlamaModel
 
 from test_quantized_weights import FORMATS, _blocks
 
-pytestmark = pytest.mark.skipif(gemm_ext() is None, reason="no C++ toolchain")
+pytestmark = [pytest.mark.kernel, pytest.mark.skipif("gemm_ext() is None", reason="no C++ toolchain")]
 KINDS = ("Q4_1", "Q8_0", "Q4_0", "Q4_K")  # one scale per 32 k
 FMT = {"Q4_1": 0, "Q8_0": 1, "Q4_0": 0, "Q4_K": 0}  # gemm_int's panel layouts
 BITS = (8, 16)
@@ -217,6 +217,7 @@ def test_the_cli_flag_reaches_the_config():
         assert engine_config(build_parser().parse_args(["serve", "--matmul-dtype", mm])).model.matmul_dtype == mm
 
 
+@pytest.mark.model
 def test_smollm2_in_integer_modes_stays_close_to_float32():
     """All 121 matrices (Q4_1 layers, the Q8_0 LM head) run as integer dot products. Fed the
     float32 model's greedy answers to chat questions (teacher forcing, through the engine's prefill

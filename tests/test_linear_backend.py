@@ -11,6 +11,8 @@ from batchserve.runner.models.llama import (Linear, LlamaModel, best_linear_back
                                             onednn_linear_ok)
 from batchserve.runner.profiler import TINY_MODEL
 
+pytestmark = pytest.mark.kernel
+
 BACKENDS = [b for b, ok in (("cpp", cpp_linear_ok(torch.zeros(1))), ("onednn", onednn_linear_ok(torch.zeros(1))))
             if ok]
 
@@ -29,7 +31,7 @@ def _ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x.double() @ w.double().t()).float()
 
 
-@pytest.mark.skipif(gemm_ext() is None, reason="no C++ toolchain")
+@pytest.mark.skipif("gemm_ext() is None", reason="no C++ toolchain")
 @pytest.mark.parametrize("isa", ["portable", "avx2", "avx512"])
 def test_panel_gemm_every_code_path_matches_float64(isa):
     """Each code path the module holds (the one this CPU picks and the slower ones), over shapes
@@ -49,7 +51,7 @@ def test_panel_gemm_every_code_path_matches_float64(isa):
         torch.testing.assert_close(y, _ref(x, w), rtol=1e-5, atol=1e-4 * k ** 0.5)
 
 
-@pytest.mark.skipif(gemm_ext() is None, reason="no C++ toolchain")
+@pytest.mark.skipif("gemm_ext() is None", reason="no C++ toolchain")
 def test_panel_gemm_layout_and_errors():
     ext = gemm_ext()
     w = torch.arange(40 * 3, dtype=torch.float32).view(40, 3)
@@ -96,7 +98,7 @@ def test_backends_refused_where_they_cannot_run():
         Linear(torch.zeros(2, 2), "mkl")
 
 
-@pytest.mark.skipif(gemm_ext() is None or not gemm_ext().has_bf16(), reason="no AVX512-BF16 here")
+@pytest.mark.skipif("gemm_ext() is None or not gemm_ext().has_bf16()", reason="no AVX512-BF16 here")
 def test_panel_gemm_bf16_matches_rounded_inputs():
     """The bf16 path: weights and x rounded to bf16, products summed in fp32, fp32 out; x given
     as fp32 or bf16, odd K (a padded last pair), several row blocks and row passes."""
@@ -134,7 +136,7 @@ def test_bf16_matmul_mode_picks_the_cpp_bf16_path_where_it_runs():
         torch.testing.assert_close(m.logits(h), fp32.logits(h), rtol=1e-4, atol=1e-4)  # the head stays fp32
 
 
-@pytest.mark.skipif(gemm_ext() is None, reason="no C++ toolchain")
+@pytest.mark.skipif("gemm_ext() is None", reason="no C++ toolchain")
 def test_panel_gemm_releases_the_gil():
     """The C++ kernels run without the GIL, as torch's ops do, so the server's event loop keeps
     running while the engine thread is inside one: a Python loop in this thread must keep

@@ -15,6 +15,8 @@ from batchserve.engine.engine import LLMEngine
 from batchserve.request import SamplingParams
 from batchserve.runner.profiler import TINY_MODEL
 
+pytestmark = pytest.mark.kernel
+
 SYSTEM = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]  # a shared prefix of three 4-token blocks
 
 

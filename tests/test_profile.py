@@ -41,6 +41,7 @@ def test_knee():
     assert knee(sizes, [29, 9, 23, 97, 16, 71, 80]) == 8  # noisy dips do not fake a knee
 
 
+@pytest.mark.kernel
 def test_quick_profile_cli_writes_a_loadable_model(tmp_path, capsys):
     from batchserve.cli import main
 

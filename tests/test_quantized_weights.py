@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -16,8 +17,7 @@ from batchserve.runner.loader import load_model
 from batchserve.runner.model_runner import ModelRunner
 from batchserve.runner.models.llama import Linear
 
-gguf = pytest.importorskip("gguf")
-pytestmark = pytest.mark.skipif(gemm_ext() is None, reason="no C++ toolchain")
+pytestmark = [pytest.mark.kernel, pytest.mark.skipif("gemm_ext() is None", reason="no C++ toolchain")]
 FORMATS = {"Q4_1": 0, "Q8_0": 1, "Q4_0": 2, "Q4_K": 3, "Q6_K": 4}  # pack_q's source codes
 PANEL = {"Q4_1": 0, "Q8_0": 1, "Q4_0": 0, "Q4_K": 0, "Q6_K": 2}  # gemm_q's panel layouts
 SUPER = ("Q4_K", "Q6_K")  # 256-weight super-blocks
@@ -121,6 +121,7 @@ def smollm2():
     return load_model(ModelConfig())
 
 
+@pytest.mark.model
 def test_the_default_gguf_model_runs_from_its_blocks_with_the_dense_models_results(smollm2):
     """SmolLM2's GGUF: every layer matrix is Q4_1 and the tied embedding Q8_0. The runner keeps
     them as blocks (121 matrices: 4 per layer and the LM head), the q/k rows in Hugging Face

@@ -202,6 +202,7 @@ def test_remove_by_id():
         q.pop()
 
 
+@pytest.mark.slow
 def test_hundred_thousand_requests_scale():
     """Not timed: an O(n) step inside push/pop/remove/refresh would make this O(n^2) and hang."""
     rng = random.Random(0)

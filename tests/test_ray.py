@@ -20,6 +20,8 @@ from batchserve.distributed.router import RayEngineClient
 from batchserve.request import SamplingParams
 from tests.server_helpers import MODEL, start_server
 
+pytestmark = [pytest.mark.ray, pytest.mark.model, pytest.mark.http]
+
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "What is 2 + 2?",
              "Say hello in Spanish.", "What is the largest planet?", "Give me a synonym for happy."]
 CONFIG = EngineConfig(cache=CacheConfig(kv_cache_gb=0.1))

@@ -42,10 +42,11 @@ def test_schedule_ceiling_sums_each_steps_ceiling():
         cfg, mach, [(4, 2000)])
 
 
+@pytest.mark.kernel
 def test_stored_weight_bytes_count_gguf_blocks_at_their_packed_size():
     """A model running from GGUF blocks reads its packed panels (Q4_1: 0.75 bytes a weight with the
     float32 scales; Q8_0: 1.125), so its batch-1 ceiling is the weights' own bytes, not 4 a weight."""
-    gguf = pytest.importorskip("gguf")
+    import gguf
     import torch
 
     from batchserve.runner.kernels import gemm_ext

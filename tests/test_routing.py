@@ -119,6 +119,7 @@ def prefill_and_export(eng: LLMEngine, prompt: list[int], params: SamplingParams
     return first, kv
 
 
+@pytest.mark.kernel
 @pytest.mark.parametrize("decode_blocks", [64, 12])
 def test_adopted_request_continues_exactly_as_one_engine(decode_blocks):
     """Prefill on one engine, decode on another from the handed-over K/V: the same greedy
@@ -146,6 +147,7 @@ def test_adopted_request_continues_exactly_as_one_engine(decode_blocks):
         assert decode.scheduler.requests == {}  # nothing stuck; blocks checked in run_all
 
 
+@pytest.mark.kernel
 def test_adopt_rejects_kv_of_another_shape():
     eng = tiny_engine()
     import torch

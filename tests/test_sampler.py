@@ -15,7 +15,7 @@ def _paths():
     ext = fused_ops_ext()
     paths = [("torch", sample_torch)]
     if ext is not None:
-        paths.append(("cpp", ext.sample_rows))
+        paths.append(pytest.param("cpp", ext.sample_rows, marks=pytest.mark.kernel))
     return paths
 
 
@@ -101,6 +101,7 @@ def test_greedy_finds_the_first_largest_anywhere_in_a_wide_row(name, fn, V):
     assert got == x.argmax(-1).tolist()
 
 
+@pytest.mark.kernel
 @pytest.mark.parametrize("V", [1, 7, 16, 17, 255, 257, 4099, 49152])
 def test_kernel_matches_the_pytorch_path(V):
     """Rows of V logits (the kernel's vector body, its scalar tail and its 256-token blocks, whole
@@ -147,6 +148,7 @@ def test_rows_with_nothing_to_draw_from_go_to_the_largest(name, fn):
 
 
 
+@pytest.mark.kernel  # sample() picks the compiled kernel on the CPU
 def test_seeded_rows_do_not_depend_on_their_neighbours():
     torch.manual_seed(0)
     logits = torch.randn(3, 1000)

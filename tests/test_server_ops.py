@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from server_helpers import MODEL, build_engine, free_socket, start_server, wait_idle
 
 from batchserve.cli import build_parser, engine_config
-from batchserve.config import ConfigError, EngineConfig
+from batchserve.config import ConfigError
 from batchserve.server.config import load_configs
 
 
@@ -27,9 +27,8 @@ def _metric_values(text: str) -> dict[tuple[str, tuple], float]:
 
 
 @pytest.mark.model
+@pytest.mark.http
 def test_overload_refuses_with_503_and_leaks_nothing() -> None:
-    if not hasattr(EngineConfig(), "queue"):
-        pytest.skip("the admission queue (EngineConfig.queue, --queue-capacity) has not landed yet")
     cfg = engine_config(build_parser().parse_args(
         ["serve", "--queue-capacity", "8", "--max-num-seqs", "4", "--kv-cache-gb", "0.1"]))
     engine = build_engine(cfg)
@@ -109,6 +108,7 @@ def _stream_in_thread(url: str, headers: dict, body: dict, first: threading.Even
 
 
 @pytest.mark.model
+@pytest.mark.http
 def test_serve_process_health_auth_limits_and_graceful_sigterm(tmp_path) -> None:
     (tmp_path / "serve.yaml").write_text(
         "cache: {kv_cache_gb: 0.1}\nserver: {api_key: sekrit, served_model_name: tiny, grace_period_s: 120}\n")

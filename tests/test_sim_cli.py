@@ -16,6 +16,7 @@ def _files(d: str) -> dict[str, bytes]:
     return {n: open(os.path.join(d, n), "rb").read() for n in sorted(os.listdir(d))}
 
 
+@pytest.mark.slow  # renders the report's plots
 def test_simulate_writes_the_bench_report_identically_per_seed(tmp_path, capsys) -> None:
     args = ["simulate", "--workload", "chat", "--scale", "0.2", "--requests", "150", "--rate", "20",
             "--policy", "continuous", "--hardware", "h100", "--seed", "3"]
@@ -38,6 +39,7 @@ def test_simulate_writes_the_bench_report_identically_per_seed(tmp_path, capsys)
     assert len(records) == 150 and all(r["finish_reason"] == "length" for r in records)
 
 
+@pytest.mark.slow
 def test_sweep_finds_the_best_setting_under_the_slo(capsys) -> None:
     base = ["simulate", "--workload", "chat", "--requests", "200", "--slo-ms", "8000"]
     assert main(base + ["--sweep", "rate=2,8,400"]) == 0
@@ -67,6 +69,7 @@ def test_bad_flags_fail_clearly(capsys) -> None:
     assert main(["simulate", "--model", "no-such-model"]) == 2
 
 
+@pytest.mark.slow
 def test_every_scenario_runs_small_and_prints_the_seed_next_to_the_simulation() -> None:
     text = run_scenario("all", requests=80, seed=1)
     for name in SCENARIOS:
@@ -88,6 +91,7 @@ def test_scenario_names_a_missing_policy(monkeypatch, capsys) -> None:
     assert "needs the cascade policy" in capsys.readouterr().err
 
 
+@pytest.mark.kernel
 def test_fidelity_on_a_tiny_model(tmp_path) -> None:
     """The CI-sized version of `python -m benchmarks.fidelity`: a tiny random model is
     profiled, then the same workload runs live (wall clock) and simulated, calibrated on the

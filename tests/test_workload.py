@@ -30,6 +30,7 @@ def test_deterministic_per_seed(mix):
         assert w.max_tokens >= 1 and 0 <= w.priority <= 10
 
 
+@pytest.mark.slow
 def test_poisson_mean_rate_and_unclipped_gaps():
     items = make_workload("chat", 20000, 4.0, seed=1)
     g = _gaps(items)
@@ -39,6 +40,7 @@ def test_poisson_mean_rate_and_unclipped_gaps():
     assert g.max() > 2.0 and (g > 1.25).mean() == pytest.approx(np.exp(-5), rel=0.35)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("burstiness", [0.25, 4.0])
 def test_gamma_burstiness_is_cv2(burstiness):
     items = make_workload("chat", 20000, 2.0, seed=2, arrival="gamma", burstiness=burstiness)
@@ -63,6 +65,7 @@ def test_step_ramp_onoff_rates():
     assert np.all(np.diff(t) >= 0)
 
 
+@pytest.mark.slow
 def test_length_distributions_and_class_shares():
     items = make_workload("mixed", 6000, 1.0, seed=4, scale=1.0)
     by = {c: [w for w in items if w.cls == c] for c in ("code", "summary", "chat")}
