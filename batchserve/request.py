@@ -202,7 +202,7 @@ class Request:
     num_preemptions: int = 0
     error: str | None = None
     level: str | None = None  # queue level, set by the admission queue
-    urgent: bool = False  # promoted to the urgent lane (S1.5)
+    urgent: bool = False  # promoted to the urgent lane
     # the scheduler's ScheduledSeq for this request's decode steps, updated in place each step
     # rather than built anew (Scheduler.schedule_running; a batch is valid until the next schedule)
     decode_seq: object = field(default=None, init=False, repr=False, compare=False)

@@ -1,4 +1,4 @@
-"""Decode attention over the paged KV cache (issue 9 item 3): time per layer, KV bytes read
+"""Decode attention over the paged KV cache: time per layer, KV bytes read
 against the minimum, and attention's share of a real decode step at 512-token contexts.
 
     python -m benchmarks.attention_kernel --out BENCHMARKS.md      # about 2 minutes
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} "
             f"threads. {N_H} query / {N_KV} kv heads of {HD}, blocks of {BS}; medians over {a.reps} passes "
             f"through {LAYERS} layers' caches, each request's blocks scattered over the pool (the last six "
-            f"columns: one run of blocks per request, as the KV manager places them since session 8; int8: "
+            f"columns: one run of blocks per request, as the KV manager places them; int8: "
             f"`--kv-cache-dtype int8`, in one run too). GB/s: minimum KV bytes over time.\n\n" + "\n".join(rows)
             + "\n\nAttention's share of a real decode step (SmolLM2, batch 32, 512-token contexts; attention timed with "
             "each request's blocks in one run, as in the step): "

@@ -15,7 +15,7 @@
    the engine between steps at their arrival times, as the server's engine thread adds them;
    ignore_eos, so outputs have the workload's lengths) and simulated (same engine config,
    profiled cost). Throughput and P50 end-to-end latency should agree within 10%, P99
-   within 15% (the issue's bar); the table says which do.
+   within 15%; the table says which do.
 Run it on a quiet machine: other load on the CPU slows the live side only.
 """
 from __future__ import annotations

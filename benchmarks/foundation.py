@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batches", default="1,8,32,64,128")
     ap.add_argument("--workload-runs", type=int, default=3,
                     help="run the offline workload this many times and report the median run (this machine's "
-                         "speed drifts by 5-10%% from minute to minute)")
+                         "speed drifts from minute to minute)")
     ap.add_argument("--matmul-dtype", default="auto", choices=["auto", "float32", "int8", "int16"],
                     help="the engine's --matmul-dtype (a value other than auto gets its own section); with integer "
                          "dot products (auto picks int16 on AVX512-VNNI CPUs) the ceilings at their measured rate "

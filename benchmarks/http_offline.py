@@ -7,7 +7,7 @@ Same requests both ways (foundation.offline_workload: prompts ~200 tokens median
 long outputs, greedy, ignore_eos, all sent at t = 0), same engine settings. Output tokens per
 second is tokens over the span from the first send to the last token. The two runs alternate
 (`--rounds`, default 3) and the median of the rounds' ratios is reported: this machine's speed
-drifts by 5-10 % from minute to minute, more than the HTTP layer costs.
+drifts from minute to minute by more than the HTTP layer costs.
 """
 from __future__ import annotations
 

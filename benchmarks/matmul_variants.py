@@ -37,7 +37,7 @@ from batchserve.runner.models.llama import Linear, LlamaConfig, cpp_bf16_ok, cpp
 from benchmarks.report_md import publish
 from benchmarks.roofline import layer_shapes, median_time
 
-TITLE = "## Matrix-product variants at the model's shapes (issue 9 items 2 and 5)"
+TITLE = "## Matrix-product variants at the model's shapes"
 
 
 def variants(cfg: LlamaConfig, m: int) -> dict[str, object]:

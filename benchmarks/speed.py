@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=300, help="timed steps per batch size")
     ap.add_argument("--repeats", type=int, default=5,
                     help="measure each batch size this many times, alternating, and report the least and the median "
-                         "(noise only adds time; the speed of some machines moves by 2x from second to second)")
+                         "(noise only adds time; the speed of some machines moves a lot from second to second)")
     ap.add_argument("--skip-e2e", action="store_true")
     a = ap.parse_args(argv)
     runs: dict[int, list[float]] = {64: [], 256: []}

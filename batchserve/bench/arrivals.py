@@ -10,7 +10,7 @@ removes exactly the bursts a batching policy must survive.
   scale = burstiness/rate.
 - `step`: a Poisson process whose rate is `rate * factors[i]` during phase i; each phase lasts
   `step_s` seconds and the last one lasts forever. Default factors (1, 7.5, 1): the seed's
-  7.5x surge (S1 case).
+  7.5x surge (its priority-flood case).
 - `ramp`: rate grows linearly from `rate * start` to `rate * end` over `ramp_s` seconds, then
   stays at `rate * end`.
 - `onoff`: bursts. ON for `on_s` seconds, OFF for `off_s`, repeating; during ON the rate is

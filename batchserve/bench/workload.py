@@ -8,11 +8,11 @@ Mixes (lengths in tokens, before `scale`; every class's lengths are lognormal wi
 mean and coefficient of variation, rounded and clipped to [1, 4 x mean]):
 
 - `chat`: prompt 200, output 200 (the seed's chat class), CV 0.5. Scale 1.
-- `mixed` (S3 case): code-gen 2000 in / 500 out, summaries 5000 / 300, chat 200 / 200, one
+- `mixed` (the mixed-granularity case): code-gen 2000 in / 500 out, summaries 5000 / 300, chat 200 / 200, one
   third each, CV 0.1. Default scale 0.1 (200/50, 500/30, 20/20): at full size one summary
   prompt takes this 2-core CPU several seconds; pass scale=1 for the seed's sizes (simulator).
-- `short-long` (S4 case): 90% short (prompt 64, output 32), 10% long (prompt 64, output 512).
-- `priority-flood` (S1 case): levels high (priority 9, hard deadline 2 s, 10%), mid (priority
+- `short-long` (the static-vs-continuous case): 90% short (prompt 64, output 32), 10% long (prompt 64, output 512).
+- `priority-flood` (the seed's surge case): levels high (priority 9, hard deadline 2 s, 10%), mid (priority
   5, soft deadline 5 s, 20%), low (priority 1, no deadline, 70%: the flood); prompt 64,
   output 32. Pair it with arrival="step" for the seed's 7.5x surge. `deadline_scale` scales
   every deadline (e.g. to the hardware being simulated).

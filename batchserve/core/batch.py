@@ -108,7 +108,7 @@ _OUTPUT_FIELDS = tuple(f.name for f in fields(RequestOutput))
 
 class RunningOutput(RequestOutput):
     """A running request's output after a step (the engine builds one per running request per
-    step, so it is made from the few values that can still change: 0.35 us against 0.75 for the
+    step, so it is made from the few values that can still change, not through the
     fifteen-field constructor). It reads the same as a RequestOutput taken at that moment: the
     request's identity, prompt and timestamps come from the request (they are fixed by then:
     `first_token_time` is set, `finish_time` is not), `token_ids` is the live list as in every

@@ -1,4 +1,4 @@
-"""Feedback controllers for request-level batching (S2.5, S2.6): pure functions of stats.
+"""Feedback controllers for request-level batching: pure functions of stats.
 
 The dynamic policy keeps the stats (queue depth, an EWMA of arrival gaps, recent end-to-end
 latencies) and asks these functions for its next window and batch cap; nothing here keeps
@@ -29,7 +29,7 @@ def arrival_rate(mean_gap_s: float | None, since_last_s: float) -> float:
 
 def adaptive_window(queue_depth: int, arrival_rate: float, bounds: tuple[float, float],
                     slo_left_ms: float = math.inf, target_batch: int = 32) -> float:
-    """The collection window in ms (S2.5).
+    """The collection window in ms.
 
     Wait about as long as the arrival rate needs to fill the rest of a `target_batch`
     batch: a deep queue or fast arrivals give a short window (at least bounds[0]), slow
@@ -54,7 +54,7 @@ def adaptive_window(queue_depth: int, arrival_rate: float, bounds: tuple[float, 
 def aimd_batch_cap(current: int, p99_ms: float, slo_ms: float, lo: int = 1, hi: int = 32,
                    service_p99_ms: float | None = None, high_water: float = 0.9, low_water: float = 0.7,
                    decrease: float = 0.75, increase: int = 1, service_share: float = 0.5) -> int:
-    """The next max batch size from measured P99 end-to-end latency against the SLO (S2.6).
+    """The next max batch size from measured P99 end-to-end latency against the SLO.
 
     Additive increase, multiplicative decrease: when P99 passes `high_water` x SLO the cap
     is cut by `decrease` (32 -> 24, the seed's example); below `low_water` x SLO it grows by
@@ -90,7 +90,7 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 def length_bucket(num_prompt_tokens: int, max_tokens: int) -> tuple[int, int]:
     """Power-of-two buckets of prompt and output length: requests in one bucket pad each
-    other by less than 2x (S3.3 sequence level)."""
+    other by less than 2x (sequence-level batching)."""
     return (max(1, num_prompt_tokens).bit_length(), max(1, max_tokens).bit_length())
 
 

@@ -11,10 +11,10 @@ Given the length a request may reach (`expect_tokens`: prompt + max_tokens), its
 goes at the start of a free run that long and the rest of the run is reserved for it; it grows
 into its reservation a block at a time. Reservations are soft: they count as free, and when no
 block is free one is taken from the end of a reservation (before evicting a cached prefix), so
-the capacity, admission and preemption behaviour are those of an unreserved pool. Measured on
-this CPU (30 layers' float16 caches): decode attention reads a request's history 1.3-1.7x
-faster when its blocks are contiguous than when they are scattered over the pool, as blocks
-handed out one at a time to requests growing side by side end up.
+the capacity, admission and preemption behaviour are those of an unreserved pool. Decode attention
+reads a request's history faster when its blocks are contiguous (long sequential runs) than
+when they are scattered over the pool, as blocks handed out one at a time to requests growing
+side by side end up (measured in docs/performance.md, "The KV cache: dtype, layout and placement").
 """
 from __future__ import annotations
 

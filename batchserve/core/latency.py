@@ -4,8 +4,8 @@ Step time is modelled as linear in (tokens in the step, sequences in the step):
 
     t = c + a * num_tokens + b * num_seqs
 
-fitted online by least squares over the engine's most recent steps. Deadlines (S3.2) and
-slack-based urgency (S1.5) only ever ask two questions of it, so any model with
+fitted online by least squares over the engine's most recent steps. Deadlines and
+slack-based urgency only ever ask two questions of it, so any model with
 `predict_step` / `observe` (a profiled one, a roofline) can take its place.
 
 `ProfiledLatencyModel` is the profiled one: the step-time fit that `batchserve profile`

@@ -1,5 +1,5 @@
-"""The admission queue (S1): priority levels with caps and an overflow policy, an urgent lane,
-and one global order — urgent first, then higher priority, then earlier arrival (S1.4).
+"""The admission queue: priority levels with caps and an overflow policy, an urgent lane,
+and one global order — urgent first, then higher priority, then earlier arrival.
 
 Levels partition the priorities 0-10, so the order across levels is the same comparator as
 within one; one heap holds it. Side heaps, all with lazy deletion, answer the other

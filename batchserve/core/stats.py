@@ -1,4 +1,4 @@
-"""Queue metrics (S1.6): counters the admission queue and the scheduler feed, and a plain
+"""Queue metrics: counters the admission queue and the scheduler feed, and a plain
 snapshot (`QueueStats`) that the engine, the HTTP /metrics endpoint and the benchmarks read.
 
 Field names (read by name, so keep them stable):

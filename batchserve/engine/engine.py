@@ -208,7 +208,7 @@ class LLMEngine:
             prefix_hit_rate=kv.prefix_hit_rate, window_ms=policy.window_ms, max_batch=policy.max_batch)
 
     def queue_stats(self, now: float | None = None) -> QueueStats:
-        """Admission-queue metrics (S1.6): per-level lengths, waits, rejections, drops,
+        """Admission-queue metrics: per-level lengths, waits, rejections, drops,
         promotions, deadline misses; field names in core/stats.py."""
         return self.scheduler.waiting.stats(self.clock.now() if now is None else now)
 

@@ -4,8 +4,9 @@ Cache layout per layer: k, v of shape [num_blocks, n_kv, block_size, head_dim]. 
 position p of a request lives in slot block_table[p // block_size] * block_size + p % block_size,
 that is at offset p % block_size of its block, and each kv head's rows of a block are contiguous
 (so one kv head of 16 tokens is one run of memory for the C++ decode kernel: over a request's
-contiguous blocks 1.2-1.5x faster from DRAM than a layout with all kv heads of a token side by
-side, ~1.5x slower over blocks scattered one by one, which the KV manager's placement avoids).
+contiguous blocks faster from DRAM than a layout with all kv heads of a token side by
+side, slower over blocks scattered one by one, which the KV manager's placement avoids;
+measured in docs/performance.md, "The KV cache: dtype, layout and placement").
 The PyTorch path reads and writes through `slot_rows`: a slot's rows in the cache viewed as
 [num_blocks * n_kv * block_size, head_dim]. The metadata is built once per step
 (`AttnMeta.build`) and shared by every layer.
@@ -108,7 +109,8 @@ class AttnMeta:
                       kernel: Any) -> "AttnMeta":
         """`build` for a step of decodes only, for the C++ kernel: the same fields as
         `_build_general` gives, from Python ints (no [requests, max_blocks * block_size] slot
-        matrix): 0.45 ms a step at batch 13 and ~500-token contexts, with these few tensors far less."""
+        matrix, whose size grows with every context each step): a few small tensors, one value per
+        request plus the padded block tables."""
         n = len(seqs)
         slots = [t[p // block_size] * block_size + p % block_size for p, _, t in seqs]
         return AttnMeta(torch.tensor(slots, dtype=torch.long).to(device),
@@ -209,8 +211,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         prefills = []
     for sp in prefills:
         # 4-D inputs with the kv heads repeated: SDPA's `enable_gqa` and 3-D inputs both send the CPU
-        # to its unfused math path (the whole score matrix, a dozen ops), 10-30x slower at 256-512
-        # tokens than the flash kernel this shape gets (BENCHMARKS.md).
+        # to its unfused math path (the whole score matrix, a dozen ops) instead of the tiled
+        # flash kernel this shape gets.
         qs = q[sp.start:sp.end].transpose(0, 1)[None]  # [1, n_h, n, hd]
         mask = None
         if sp.ctx_start == 0:
@@ -248,7 +250,7 @@ def _decode_torch(qd: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     g = n_h // n_kv
     qd = qd.reshape(bd, n_kv, g, hd)  # the g query heads sharing a kv head act as g query rows
     tmax = meta.dec_slots.shape[1]
-    # index_select on a flat row list is several times faster than 2-D advanced indexing here
+    # index_select on a flat row list copies whole rows; 2-D advanced indexing goes element by element
     rows = _rows(meta, "dec", meta.dec_slots_flat, k_cache)
     kd = gather_rows(k_cache, rows).to(qd.dtype).view(bd, tmax, n_kv, hd).transpose(1, 2)
     vd = gather_rows(v_cache, rows).to(qd.dtype).view(bd, tmax, n_kv, hd).transpose(1, 2)

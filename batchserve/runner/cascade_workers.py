@@ -1,4 +1,4 @@
-"""`--cascade-workers` (S4.2): the prefill stage and the decode stage in two worker processes,
+"""`--cascade-workers`: the prefill stage and the decode stage in two worker processes,
 each with its own model copy and its own KV tensors, the KV blocks handed across.
 
 The parent keeps the one scheduler and the one KVCacheManager: block ids mean the same slot

@@ -44,8 +44,8 @@ def cpp_attention_wanted(model_cfg: ModelConfig, weight_dtype: torch.dtype) -> b
 def resolve_kv_cache_dtype(model_cfg: ModelConfig, cache_cfg: CacheConfig) -> torch.dtype:
     """The KV cache's storage dtype. `auto` means float16 where the C++ attention kernels run (a
     float32 model on the CPU, the kernels built): half the bytes of float32, so twice the tokens
-    per GB and decode attention ~1.7x faster, with the float32 cache's output (24/24 greedy
-    continuations identical, logits within 0.1 %; BENCHMARKS.md), as llama.cpp stores K/V by
+    per GB and half the bytes for decode attention to read, with the float32 cache's output (the
+    same greedy continuations; BENCHMARKS.md, "Hot-path variants"), as llama.cpp stores K/V by
     default. Values past float16's range are stored as +-65504, not infinity. Elsewhere `auto`
     is the model's dtype; `float32` keeps the exact cache."""
     name = kv_cache_dtype_name(model_cfg, cache_cfg)
@@ -75,9 +75,10 @@ def _int8_kv_dtype(model_cfg: ModelConfig, cache_cfg: CacheConfig) -> torch.dtyp
 def resolve_matmul_dtype(model_cfg: ModelConfig, loaded: LoadedModel) -> torch.dtype | None:
     """The matrix products' dtype (None: the weights' own). `auto` means int16 dot products on a
     GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 blocks where that runs fast (float32 model on a CPU with
-    AVX512-VNNI, the C++ GEMM, blocks kept): measured 1.3x faster decode from batch 32 and 1.4x
-    prefill, with the float32 model's output (24/24 greedy continuations identical, logits within
-    0.05 %; BENCHMARKS.md). Everywhere else, and with `float32` asked for, the float32 products."""
+    AVX512-VNNI, the C++ GEMM, blocks kept): a VNNI int16 dot product does twice the multiply-adds
+    per instruction of a float32 FMA, which pays where the products are compute-bound (prefill,
+    larger decode batches), with the float32 model's output (the same greedy continuations;
+    BENCHMARKS.md, "Hot-path variants"). Everywhere else, and with `float32` asked for, the float32 products."""
     if model_cfg.matmul_dtype != "auto":
         return None if model_cfg.matmul_dtype == model_cfg.dtype else getattr(torch, model_cfg.matmul_dtype)
     if (model_cfg.dtype != "float32" or model_cfg.device != "cpu" or model_cfg.quantized_weights != "auto"

@@ -1,4 +1,4 @@
-"""`batchserve profile` (S2.3, S2.4, S2.7): measure step time on this model and machine, fit a
+"""`batchserve profile`: measure step time on this model and machine, fit a
 latency model, find the memory-bound max batch and the throughput knee, save it all as JSON.
 
 The runner executes hand-built ScheduledBatches (prompt chunks of P tokens, D decodes at a
@@ -57,7 +57,7 @@ def fit(rows: list[list[float]], times: list[float]) -> list[float]:
 
 
 def knee(batch_sizes: list[int], throughputs: list[float], min_gain: float = 0.15) -> int:
-    """The batch size past which throughput stops rising (S2.7): the smallest size that no
+    """The batch size past which throughput stops rising: the smallest size that no
     larger measured size beats by `min_gain` or more. Comparing against every larger size,
     not just the next, keeps one noisy point from faking an early knee. The largest size
     if throughput never levels off."""

@@ -1,4 +1,4 @@
-"""S3 and S4: request-level vs token-level batching on a mixed load, and static vs continuous
+"""Batching scenarios: request-level vs token-level batching on a mixed load, and static vs continuous
 vs continuous + cascaded batching on short requests with a few long ones."""
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def tokens_per_s(res: SimResult) -> float:
     return res.summary["output_tokens_per_s"]
 
 
-# --- S3 ------------------------------------------------------------------------------------
+# --- mixed-granularity ---------------------------------------------------------------------
 def mixed_granularity(requests: int | None, seed: int) -> ScenarioResult:
     require("static", "chunked")
     n = requests or 600
@@ -77,7 +77,7 @@ def mixed_granularity(requests: int | None, seed: int) -> ScenarioResult:
          "request-level": (rate, run_r), "token-level": (rate, run_t)})
 
 
-# --- S4 ------------------------------------------------------------------------------------
+# --- static-vs-continuous ------------------------------------------------------------------
 def static_vs_continuous(requests: int | None, seed: int) -> ScenarioResult:
     require("static", "continuous", "cascade")
     n = requests or 2000

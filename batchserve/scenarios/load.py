@@ -1,4 +1,4 @@
-"""S1 and S2: the queue under a surge, and the window / batch cap under day and night load."""
+"""Load scenarios: the queue under a surge, and the window / batch cap under day and night load."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +13,7 @@ from batchserve.sim.runner import simulate
 from batchserve.sim.simulator import SimResult
 
 
-# --- S1 ------------------------------------------------------------------------------------
+# --- priority-flood ------------------------------------------------------------------------
 def priority_flood(requests: int | None, seed: int) -> ScenarioResult:
     require("continuous")
     n = requests or 8000
@@ -60,7 +60,7 @@ def priority_flood(requests: int | None, seed: int) -> ScenarioResult:
         "FIFO", "levels", rows, notes, {"fifo": (base, a), "levels": (base, b)})
 
 
-# --- S2 ------------------------------------------------------------------------------------
+# --- adaptive-window -----------------------------------------------------------------------
 def adaptive_window(requests: int | None, seed: int) -> ScenarioResult:
     require("static", "dynamic")
     n = requests or 2000

@@ -1,4 +1,4 @@
-"""`cascade` (S4.2): prefill and decode batched as two stages, each with its own cap and
+"""`cascade`: prefill and decode batched as two stages, each with its own cap and
 token budget.
 
 - Prefill stage: up to `prefill_max_batch` prompts (continued ones first, then new ones,

@@ -1,4 +1,4 @@
-"""`chunked` (S3.3 token level): every step spends its token budget (max_num_batched_tokens)
+"""`chunked` (token-level batching): every step spends its token budget (max_num_batched_tokens)
 on decodes first — one token for each running request whose prompt is done — then on
 prompt chunks of at most `chunk_size` tokens, continuing prompts before admitting new
 ones. A long prompt therefore never stalls running requests, chunks of several prompts

@@ -1,4 +1,4 @@
-"""`continuous` (S4.1): iteration-level batching. Every step, running requests decode; waiting
+"""`continuous`: iteration-level batching. Every step, running requests decode; waiting
 requests join (whole prompt in one step) while the token budget, `max_num_seqs` and free KV
 blocks allow; finished requests leave at once. A prompt longer than the whole step budget is
 the one exception: it is split across steps, or it could never run."""

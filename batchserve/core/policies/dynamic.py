@@ -1,4 +1,4 @@
-"""`dynamic` (S2.5, S2.6, S2.7): request-level batches like `static`, with two controllers.
+"""`dynamic`: request-level batches like `static`, with two controllers.
 
 - Window: from queue depth and an EWMA of arrival gaps (`controllers.adaptive_window`):
   short when the queue is deep or arrivals are fast, long when idle, within
@@ -11,7 +11,7 @@
   formed under it, and holds rather than falls when the latency is queueing, not service
   (a smaller batch would only lengthen the queue).
 - `bucket_by_length`: the batch is filled with the requests closest in (prompt, output)
-  length bucket to the head of the queue, which cuts padding (S3.3 sequence level).
+  length bucket to the head of the queue, which cuts padding (sequence-level batching).
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""Request-level batching (S3.3), the common part of `static` and `dynamic`.
+"""Request-level batching, the common part of `static` and `dynamic`.
 
 A batch is formed once — after a collection window, or as soon as `max_batch` requests
 wait — and then runs to completion: no request joins until every member is done, and the
-members' results are released together when the last one finishes (the seed's S4 baseline).
+members' results are released together when the last one finishes (the seed's static baseline).
 Tokens of members still running stream as usual; what is held is each finished member's
 final output, so a caller sees every result of a batch at the same moment.
 

@@ -148,7 +148,8 @@ def cpp_bf16_ok() -> bool:
 
 def best_linear_backend(weight: torch.Tensor) -> str:
     """What `auto` picks for `weight`: the C++ panel GEMM where it has its AVX-512 path (measured
-    1.25-1.4x faster than oneDNN at 1-64 rows on this project's machine, on par for prefill),
+    faster than oneDNN at decode's few rows, on par for prefill; see BENCHMARKS.md, "Matrix-product
+    variants at the model's shapes"),
     else oneDNN on packed weights where that runs, else F.linear."""
     if cpp_linear_ok(weight):
         from batchserve.runner.kernels import gemm_ext
@@ -221,8 +222,8 @@ class Linear:
         self.act_bits = 0
         self.n, self.k = weight.shape
         # fn(x): the product for a contiguous 2-D x, bound straight to the C++ GEMM where it runs
-        # (the fused decoder loop makes 120 such calls a step; with them bound, and the decode
-        # kernel called directly, the loop measured 1.02-1.06x faster at batch 1-12). gated_fn(gu):
+        # (the fused decoder loop makes several such calls per layer each step; bound, each skips
+        # __call__'s backend, shape and layout checks). gated_fn(gu):
         # the product of silu(gate) * up for gu = [gate | up], where the product takes both
         # halves (integer products); None where the caller runs silu_mul, then fn.
         self.gated_fn = None
@@ -260,7 +261,7 @@ class Linear:
     def gated(self, gu: torch.Tensor) -> torch.Tensor:
         """(silu(gate) * up) W^T for gu = [gate | up] [T, 2K], the SiLU taken while the product
         quantizes its input (takes_gate_up): the bits of silu_mul then this product, without
-        writing the [T, K] intermediate and reading it back (1 ms a layer in a 2,048-token step)."""
+        writing the [T, K] intermediate to memory and reading it back."""
         return self.gated_fn(gu if gu.is_contiguous() else gu.contiguous())
 
     @property
