@@ -22,6 +22,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
+from batchserve.request import MAX_PRIORITY, MIN_PRIORITY
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 Dtype = Literal["float32", "bfloat16", "float16"]
 _DTYPES = typing.get_args(Dtype)
@@ -211,7 +213,7 @@ class LevelConfig:
     """
 
     name: str
-    priorities: tuple[int, ...] = tuple(range(11))
+    priorities: tuple[int, ...] = tuple(range(MIN_PRIORITY, MAX_PRIORITY + 1))
     capacity: int | None = None
     overflow: str = "reject"
     deadline_ms: float | None = None
@@ -221,8 +223,9 @@ class LevelConfig:
         object.__setattr__(self, "priorities", tuple(sorted(set(self.priorities))))
         f = f"queue.levels[{self.name}]"
         _check(bool(self.name) and isinstance(self.name, str), "queue.levels.name", "must be a non-empty string")
-        _check(bool(self.priorities) and all(isinstance(p, int) and 0 <= p <= 10 for p in self.priorities),
-               f"{f}.priorities", f"must be integers in [0, 10], got {self.priorities!r}")
+        _check(bool(self.priorities) and all(isinstance(p, int) and MIN_PRIORITY <= p <= MAX_PRIORITY
+                                             for p in self.priorities),
+               f"{f}.priorities", f"must be integers in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {self.priorities!r}")
         _check(self.capacity is None or (isinstance(self.capacity, int) and self.capacity >= 1),
                f"{f}.capacity", "must be an integer >= 1 (or null: unbounded)")
         _check(self.overflow in _OVERFLOW, f"{f}.overflow", f"must be one of {_OVERFLOW}, got {self.overflow!r}")
@@ -254,7 +257,7 @@ class QueueConfig:
             for p in lv.priorities:
                 _check(p not in owners, "queue.levels", f"priority {p} is in both {owners.get(p)!r} and {lv.name!r}")
                 owners[p] = lv.name
-        missing = [p for p in range(11) if p not in owners]
+        missing = [p for p in range(MIN_PRIORITY, MAX_PRIORITY + 1) if p not in owners]
         _check(not missing, "queue.levels", f"no level takes priorities {missing}")
         _check(self.urgent_after_ms is None or self.urgent_after_ms >= 0, "queue.urgent_after_ms", "must be >= 0")
         _check(self.urgent_slack_ms is None or self.urgent_slack_ms >= 0, "queue.urgent_slack_ms", "must be >= 0")

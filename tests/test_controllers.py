@@ -1,4 +1,4 @@
-"""The dynamic policy's controllers as pure functions (S2.5, S2.6)."""
+"""The dynamic policy's controllers as pure functions."""
 from __future__ import annotations
 
 import math

@@ -1,4 +1,4 @@
-"""Hard and soft deadlines (S3.1, S3.2) and the online latency model, with a fake executor
+"""Hard and soft deadlines and the online latency model, with a fake executor
 and a virtual clock: a hard miss ends the request at admission, in the queue or while
 running, and frees its blocks at once; a soft miss truncates instead."""
 import pytest

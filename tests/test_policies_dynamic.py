@@ -1,5 +1,5 @@
 """The `dynamic` policy with the fake executor and a virtual clock: the adaptive window, the
-SLO-steered batch cap and length bucketing (S2.5, S2.6, S3.3)."""
+SLO-steered batch cap and length bucketing."""
 from __future__ import annotations
 
 import random

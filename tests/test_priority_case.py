@@ -1,4 +1,4 @@
-"""The seed's e-commerce case (S1, case 4.1.3), scaled to a fake executor with a fixed 10 ms
+"""The seed's e-commerce case, scaled to a fake executor with a fixed 10 ms
 step: a 3x overload in which 30% of the requests are low-value bulk work (long documents,
 128-token prompts) and 70% are short high-value ones (16 tokens, a 300 ms hard deadline).
 

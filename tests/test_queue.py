@@ -1,4 +1,4 @@
-"""The admission queue (S1) on its own and through the engine: ordering, caps, overflow
+"""The admission queue on its own and through the engine: ordering, caps, overflow
 policies, the urgent lane, remove-by-id, config, metrics, scale. Virtual time only."""
 import argparse
 import random
