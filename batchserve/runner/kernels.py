@@ -72,9 +72,10 @@ def _build(name: str, source: str, what: str) -> ModuleType | None:
         # -fno-trapping-math: without it GCC will not vectorise a loop holding a float -> int
         # conversion (the exp polynomials); nothing here reads floating-point exception flags.
         flags = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fno-trapping-math"]
-        # One build per version of the sources (the .cpp and the header it includes): checkouts of
-        # different versions keep their own builds instead of rebuilding each other's in turn.
-        digest = hashlib.sha1(" ".join(flags).encode())
+        # One build per checkout and version of the sources (the .cpp and the header it includes):
+        # torch rebuilds an extension whose recorded source path changed, so two checkouts sharing
+        # one build would rebuild each other's in turn.
+        digest = hashlib.sha1(" ".join(flags).encode() + here.encode())
         for f in (source, "cpu_math.h"):
             with open(os.path.join(here, f), "rb") as fh:
                 digest.update(fh.read())
