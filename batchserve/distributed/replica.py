@@ -25,6 +25,7 @@ from typing import Any
 
 from batchserve.config import EngineConfig
 from batchserve.core.batch import RequestOutput, StepRecord
+from batchserve.core.stats import EngineSnapshot
 from batchserve.engine.async_engine import AsyncEngine
 from batchserve.engine.request_stream import merge_outputs
 from batchserve.request import MAX_PRIORITY, MIN_PRIORITY, RequestSpec
@@ -43,7 +44,7 @@ class ReplicaStats:
     running: int = 0
     kv_free_blocks: int = 0
     kv_blocks: int = 0
-    snapshot: Any = None  # server.metrics.EngineSnapshot, for /metrics
+    snapshot: EngineSnapshot | None = None  # for /metrics
     prefix_hashes: frozenset[int] | None = None  # None: prefix caching off
     taken_at: float = 0.0
 
@@ -73,12 +74,11 @@ def queued_work(sched: Any) -> tuple[list[int], list[int]]:
 
 def replica_stats(engine: Any, with_hashes: bool) -> ReplicaStats:
     """Read on the engine thread, between steps."""
-    from batchserve.server.metrics import take_snapshot
 
     waiting, tokens = queued_work(engine.scheduler)
     s = ReplicaStats(waiting, tokens, running=len(engine.scheduler.running),
                      kv_free_blocks=engine.kv.num_free_blocks, kv_blocks=engine.kv.num_blocks,
-                     snapshot=take_snapshot(engine), taken_at=time.monotonic())
+                     snapshot=engine.snapshot(), taken_at=time.monotonic())
     if with_hashes and engine.kv.prefix_caching:
         s.prefix_hashes = engine.kv.cached_hashes()
     return s

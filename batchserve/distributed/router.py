@@ -28,6 +28,7 @@ from typing import Any, Callable
 from batchserve.config import ConfigError, EngineConfig
 from batchserve.core.batch import RequestOutput
 from batchserve.core.kv_cache import prefix_hashes
+from batchserve.core.stats import EngineSnapshot
 from batchserve.distributed.replica import NUM_PRIORITIES, EngineReplica, ReplicaStats
 from batchserve.distributed.routing import PER_WAITING, Candidate, layout, rank
 from batchserve.core.batch import StepRecord
@@ -438,7 +439,6 @@ class RayEngineClient(EngineClient):
     # --- metrics -----------------------------------------------------------------------
     async def snapshot(self) -> Any:
         """The replicas' gauges summed (KV usage and prefix hit rate averaged), for /metrics."""
-        from batchserve.server.metrics import EngineSnapshot
 
         snaps = [r.stats.snapshot for r in self.replicas if r.up and r.stats is not None and r.stats.snapshot]
         if not snaps:
