@@ -8,6 +8,7 @@ from batchserve.bench.workload import WorkItem, make_workload
 from batchserve.config import CacheConfig, EngineConfig, LevelConfig, QueueConfig, SchedulerConfig
 from batchserve.sim.cluster import ClusterSimulator, kv_bytes_per_token
 from batchserve.sim.cost import RooflineCost
+from batchserve.sim.events import Arrival, EventQueue, KVArrival, StepEnd, StepStart
 from batchserve.sim.simulator import Simulator
 from benchmarks.cluster_projection import Layout, default_layouts
 
@@ -138,3 +139,18 @@ def test_prefix_affinity_with_prefix_caching() -> None:
     res = ClusterSimulator(cfg, COST, replicas=4, seed=3).run(items)
     assert sorted(e["routed"] for e in res.engines) == [0, 0, 0, 12]
     assert res.summary["n_ok"] == 12
+
+
+def test_hand_off_and_node_events_order_like_the_single_engine_ones() -> None:
+    """A K/V arrival ties as an arrival (after step ends, before step starts); events of
+    different nodes at one instant keep the order they were queued in."""
+    q = EventQueue()
+    q.push(StepStart(1.0, 1, node=1))
+    q.push(KVArrival(1.0, 7, first_token=1234))
+    q.push(StepStart(1.0, 1, node=0))
+    q.push(StepEnd(1.0, 0.5, [], node=1))
+    q.push(Arrival(1.0, 3))
+    q.push(StepEnd(1.0, 0.5, [], node=0))
+    order = [(type(e).__name__, getattr(e, "node", getattr(e, "index", None))) for e in (q.pop() for _ in range(6))]
+    assert order == [("StepEnd", 1), ("StepEnd", 0), ("KVArrival", 7), ("Arrival", 3), ("StepStart", 1),
+                     ("StepStart", 0)]

@@ -2,12 +2,13 @@
 
 Events at the same instant run in kind order, then in the order they were pushed:
 
-    STEP_END < ARRIVAL < STEP_START
+    STEP_END < ARRIVAL (and KV arrival) < STEP_START
 
 so a step that ends at t has its results applied first, requests arriving at exactly t are
 queued next, and a step starting at t sees both — the order the live engine's loop gives
 (finish the step, drain the inbox, step again). The push counter makes every tie total, so a
-run never depends on how Python compares payloads.
+run never depends on how Python compares payloads. Step events name the engine node they
+belong to (`node`, 0 when there is one); arrivals are routed by the loop (sim/loop.py).
 """
 from __future__ import annotations
 
@@ -34,25 +35,39 @@ class Arrival:
 
 
 @dataclass(frozen=True)
+class KVArrival:
+    """Workload item `index`, prefilled elsewhere (first token `first_token` sampled, its K/V
+    sent), reaches the decode side. An arrival in the tie order."""
+
+    time: float
+    index: int
+    first_token: int
+    kind: Kind = field(default=Kind.ARRIVAL, init=False)
+
+
+@dataclass(frozen=True)
 class StepStart:
-    """Try a step. `generation` lets a newer wake-up supersede an older one still queued."""
+    """Try a step on `node`. `generation` lets a newer wake-up supersede an older one still
+    queued for the same node."""
 
     time: float
     generation: int
+    node: int = 0
     kind: Kind = field(default=Kind.STEP_START, init=False)
 
 
 @dataclass(frozen=True)
 class StepEnd:
-    """A step started at `start` finishes; `outputs` are what the engine returned for it."""
+    """A step `node` started at `start` finishes; `outputs` are what the engine returned for it."""
 
     time: float
     start: float
     outputs: list[Any]
+    node: int = 0
     kind: Kind = field(default=Kind.STEP_END, init=False)
 
 
-Event = Union[Arrival, StepStart, StepEnd]
+Event = Union[Arrival, KVArrival, StepStart, StepEnd]
 
 
 class EventQueue:
