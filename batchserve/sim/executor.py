@@ -62,4 +62,4 @@ class SimExecutor:
     def import_kv(self, block_table: list[int], kv: object) -> None:
         """Adopt another engine's K/V (disaggregated serving, LLMEngine.add_prefilled). There
         is no cache to write in a simulation, so nothing happens; the transfer's cost is
-        charged by the caller (sim/cluster.py) as a hand-off delay."""
+        charged by the caller (sim/loop.py) as a hand-off delay."""
