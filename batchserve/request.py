@@ -204,7 +204,7 @@ class Request:
     level: str | None = None  # queue level, set by the admission queue
     urgent: bool = False  # promoted to the urgent lane
     # the scheduler's ScheduledSeq for this request's decode steps, updated in place each step
-    # rather than built anew (Scheduler.schedule_running; a batch is valid until the next schedule)
+    # rather than built anew (StepBuilder.running; a batch is valid until the next schedule)
     decode_seq: object = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

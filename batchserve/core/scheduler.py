@@ -35,6 +35,12 @@ def priority_order(req: Request) -> tuple[int, float]:
 
 
 class Scheduler:
+    """Owns the waiting queue (`waiting`), the running set (`running`, admission order), every
+    live request by id (`requests`), the KV block manager and the latency model. Callers change
+    them only through its verbs: add / adopt / abort / hand_off / fail, then schedule(now) and
+    update(batch, output, now) each step; finished requests come out of drain_finished().
+    Policies read the state and build batches through `builder()`."""
+
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, policy: "Policy",
                  queue: QueueConfig | None = None, latency: LatencyModel | None = None) -> None:
         self.config = config
@@ -221,10 +227,6 @@ class Scheduler:
         start of every schedule(now); policies may call it again."""
         for decision in self.deadlines.before_step(self.waiting, self.running, now):
             self.apply(decision, now)
-
-    def predicted_service(self, req: Request, joining: bool = False) -> float:
-        """Seconds the latency model predicts `req` still needs, to its max_tokens."""
-        return self.deadlines.service(req, len(self.running), joining)
 
     # --- helpers for policies ------------------------------------------------------------
     def builder(self, now: float, budget: int | None = None) -> StepBuilder:
