@@ -293,6 +293,7 @@ class SimLoop:
     def _deliver(self, node: SimNode, outs: list[RequestOutput], t: float) -> None:
         """Outputs reach their clients at t; a prefill node hands a first token off."""
         live, recs, count = self._live, self._rec, self.on_delivered is not None
+        prefill, token_times = node.role == "prefill", self.token_times  # read once: this runs per output
         tokens = 0
         for out in outs:
             index = live.get(out.request_id)
@@ -300,9 +301,9 @@ class SimLoop:
                 continue
             if count:
                 tokens += len(out.new_token_ids)
-            if record_output(recs[index], out, t, self.token_times):
+            if record_output(recs[index], out, t, token_times):
                 del live[out.request_id]
-            elif node.role == "prefill" and out.new_token_ids:
+            elif prefill and out.new_token_ids:
                 self._hand_off(node, index, out, t)
         if count:
             self.on_delivered(t, tokens)
