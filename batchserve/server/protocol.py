@@ -181,11 +181,7 @@ def parse_generation(body: dict[str, Any], chat: bool, default_max_tokens: int =
     else:
         prompt = _prompt(body)
         max_tokens = _int(body, "max_tokens", lo=1)
-    temperature, top_p = _num(body, "temperature"), _num(body, "top_p")
-    if temperature is not None and not 0.0 <= temperature <= 2.0:
-        raise bad("temperature", f"must be in [0, 2], got {temperature}")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise bad("top_p", f"must be in (0, 1], got {top_p}")
+    temperature, top_p = _num(body, "temperature"), _num(body, "top_p")  # ranges: SamplingParams
     top_k = _int(body, "top_k", lo=-1)  # -1 (vLLM's "off") is 0 here
     stream = bool(_bool(body, "stream"))
     opts = body.get("stream_options")
