@@ -121,10 +121,8 @@ class RequestStatus(enum.Enum):
 
 
 _S = RequestStatus
-_REASONS = {_S.FINISHED_STOPPED: FinishReason.STOP, _S.FINISHED_LENGTH: FinishReason.LENGTH,
-            _S.FINISHED_ABORTED: FinishReason.ABORT, _S.FINISHED_DEADLINE: FinishReason.DEADLINE,
-            _S.FINISHED_TRUNCATED: FinishReason.TRUNCATED, _S.FINISHED_REJECTED: FinishReason.REJECTED,
-            _S.FINISHED_ERROR: FinishReason.ERROR}
+# a final status's value is its finish reason; HANDED_OFF has none (it finished elsewhere)
+_REASONS = {s: FinishReason(s.value) for s in _S if s.value in FinishReason._value2member_map_}
 _RUNNING, _WAITING, _PREEMPTED = _S.RUNNING, _S.WAITING, _S.PREEMPTED
 _TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
     _S.WAITING: frozenset({_S.RUNNING} | {s for s in _S if s.finished}),

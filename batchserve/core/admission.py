@@ -63,10 +63,6 @@ class StepBuilder:
     def batch(self, num_padding_tokens: int = 0) -> ScheduledBatch:
         return ScheduledBatch(self.seqs, num_padding_tokens=num_padding_tokens, total_tokens=self.spent)
 
-    def _spend(self, n: int) -> None:
-        self.budget -= n
-        self.spent += n
-
     # --- running requests ------------------------------------------------------------------
     def running(self, chunk: int | None = None, select: Callable[[Request], bool] | None = None,
                 max_seqs: int | None = None) -> None:
@@ -140,7 +136,7 @@ class StepBuilder:
 
     # --- admission from the queue ----------------------------------------------------------
     def admit(self, candidates: Iterable[Request] | None = None, *, chunk: int | None = None,
-              whole_prompts: bool = False, max_seqs: int | None = None, cover_prompts: bool = False) -> int:
+              whole_prompts: bool = False, max_seqs: int | None = None, cover_prompts: bool = False) -> None:
         """Start waiting requests — the queue's head first, or `candidates` in their order —
         while the budget, the seat cap (`max_num_seqs` running) and the KV blocks allow; stop at
         the first that does not fit, so the order is kept. Each gets the rest of its prompt
@@ -149,7 +145,7 @@ class StepBuilder:
         than be cut. `max_seqs` caps this stage's seqs. `cover_prompts`: start a prompt only when
         the free blocks cover all of it beside what the prompts under way still owe (starting
         on the first chunk alone lets many long prompts start and then preempt each other).
-        Candidates must be waiting requests. Returns how many were admitted."""
+        Candidates must be waiting requests."""
         sched = self.sched
         cfg = sched.config
         kv = sched.kv
@@ -157,7 +153,6 @@ class StepBuilder:
         owed = sum([kv.num_blocks_needed(r.request_id, r.num_tokens) for r in sched.running]) \
             if cover_prompts else 0
         it = iter(candidates) if candidates is not None else None
-        admitted = 0
         while self.budget > 0 and len(sched.running) < cfg.max_num_seqs and (cap is None or len(self.seqs) < cap):
             req = sched.waiting.peek() if it is None else next(it, None)
             if req is None:
@@ -171,8 +166,7 @@ class StepBuilder:
             if seq is None:
                 break
             self.seqs.append(seq)
-            self._spend(seq.num_tokens)
-            admitted += 1
+            self.budget -= seq.num_tokens
+            self.spent += seq.num_tokens
             if cover_prompts:
                 owed += kv.num_blocks_needed(req.request_id, req.num_tokens)
-        return admitted
