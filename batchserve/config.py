@@ -162,6 +162,9 @@ class SchedulerConfig:
     `decode_max_batch` per stage, `cascade_ratio` decode steps between prefill steps while
     both stages have work, `cascade_workers` runs the stages in two worker processes.
     `latency_profile`: a JSON file written by `batchserve profile` (step-time model).
+    continuous / chunked: a waiting request preempts the least important running one when no
+    seat or blocks are free and it outranks that one by `preempt_gap` priorities (0: never);
+    a request is preempted so at most `max_preemptions` times (memory pressure has no bound).
     """
 
     policy: str = _flag("continuous", "static | dynamic | continuous | chunked | cascade")
@@ -179,6 +182,8 @@ class SchedulerConfig:
     cascade_ratio: int = _flag(4, "cascade: decode steps between prefill steps while both stages have work")
     cascade_workers: bool = _flag(False, "cascade: prefill and decode in two worker processes, KV handed across")
     latency_profile: str | None = _flag(None, "step-time model written by `batchserve profile`", metavar="FILE.json")
+    preempt_gap: int = _flag(1, "a waiting request preempts a running one this many priorities below it (0: never)")
+    max_preemptions: int = _flag(2, "most times one request is preempted for a more important one")
     extra: dict = field(default_factory=dict, metadata={"cli": False, "help": "more settings for a policy"})
 
     def __post_init__(self) -> None:
@@ -194,6 +199,8 @@ class SchedulerConfig:
         _check(self.prefill_max_batch >= 1, "prefill_max_batch", "must be >= 1")
         _check(self.decode_max_batch >= 1, "decode_max_batch", "must be >= 1")
         _check(self.cascade_ratio >= 1, "cascade_ratio", "must be >= 1")
+        _check(self.preempt_gap >= 0, "preempt_gap", "must be >= 0")
+        _check(self.max_preemptions >= 0, "max_preemptions", "must be >= 0")
         _check(not self.cascade_workers or self.policy == "cascade", "cascade_workers",
                f"needs policy 'cascade', got {self.policy!r}")
 

@@ -198,9 +198,13 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+    num_priority_preemptions: int = 0  # of those, to make room for a more important request
+    work_tokens: int = 0  # tokens the model computed for it, recomputation included
     error: str | None = None
     level: str | None = None  # queue level, set by the admission queue
     urgent: bool = False  # promoted to the urgent lane
+    aged: bool = False  # promoted for its wait: ahead of every level (bounds starvation)
+    tenant: str | None = None  # who sent it: shares of a level are fair between tenants
     # the scheduler's ScheduledSeq for this request's decode steps, updated in place each step
     # rather than built anew (StepBuilder.running; a batch is valid until the next schedule)
     decode_seq: object = field(default=None, init=False, repr=False, compare=False)

@@ -54,10 +54,13 @@ def test_every_request_ends_exactly_once_and_blocks_come_back(make_fake_engine, 
                 assert o.error, "a failure must say why"
             ended[o.request_id] = o.finish_reason
             live.discard(o.request_id)
-        # blocks held == blocks in the running requests' tables (no prefix caching here)
-        held = sum(len(kv.block_table(r.request_id)) for r in eng.scheduler.running)
+        # blocks held == blocks in the tables of the running requests and of the preempted ones
+        # that kept theirs (no prefix caching here); no other waiting request holds any
+        sched = eng.scheduler
+        held = sum(len(kv.block_table(r.request_id)) for r in [*sched.running, *sched.parked.values()])
         assert kv.num_free_blocks + held == kv.num_blocks
-        assert all(not kv.has(rid) for rid in eng.scheduler.waiting)
+        assert all(kv.has(r.request_id) == (r.request_id in sched.parked) for r in sched.waiting)
+        assert all(r.request_id in sched.waiting for r in sched.parked.values())
         t += eng.executor.step_time if len(eng.executor.batches) > n_batches else 0.005
         assert t < 10_000, "did not drain"
     assert not live and len(ended) + refused == n_requests
@@ -70,5 +73,6 @@ def test_every_request_ends_exactly_once_and_blocks_come_back(make_fake_engine, 
     assert st.dropped == sum(r == "rejected" for r in ended.values()) and st.rejected == refused
     assert st.deadline_misses["hard"] == sum(r == "deadline" for r in ended.values())
     assert eng.scheduler.num_preemptions > 0
+    assert st.preemptions["priority"] > 0 and st.preemptions["memory"] + st.recomputed_tokens > 0
     print(seed, policy_kw, sorted(collections.Counter(ended.values()).items()), "refused", refused,
           "preemptions", eng.scheduler.num_preemptions, "promotions", st.promotions)

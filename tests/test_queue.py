@@ -26,15 +26,21 @@ def no_service(r):
     return 0.0
 
 
-def spec_key(r, now, after_ms):
-    """The seed's comparator: is_urgent, then priority (higher first), then arrival_time."""
-    urgent = r.urgent or (after_ms is not None and (now - r.arrival_time) * 1000 > after_ms)
-    return (not urgent, -r.priority, r.arrival_time)
+def aged(r, now, after_ms):
+    return after_ms is not None and (now - r.arrival_time) * 1000 > after_ms
+
+
+def spec_key(r, levels):
+    """The queue's comparator: aged requests first, then higher levels; within a level the urgent
+    lane, then priority (higher first), then the earlier deadline, then arrival_time."""
+    rank = sorted(levels, key=lambda lv: -max(lv.priorities)).index(next(lv for lv in levels if r.priority in lv.priorities))
+    return (-1 if r.aged else rank, not r.urgent, -r.priority, r.deadline or float("inf"), r.arrival_time)
 
 
 # --- ordering -----------------------------------------------------------------------------
 ops = st.lists(st.one_of(
-    st.tuples(st.just("push"), st.integers(0, 10), st.floats(0, 10), st.booleans()),
+    st.tuples(st.just("push"), st.integers(0, 10), st.floats(0, 10), st.booleans(),
+              st.one_of(st.none(), st.floats(1, 5000))),
     st.tuples(st.just("pop")),
     st.tuples(st.just("remove"), st.integers(0, 200)),
     st.tuples(st.just("refresh"), st.floats(0, 2)),
@@ -52,12 +58,13 @@ def test_order_is_the_spec_comparator(ops, after_ms, split):
     now, n = 0.0, 0
     for op in ops:
         if op[0] == "push":
-            r = req(n, op[1], op[2], urgent=op[3])
+            r = req(n, op[1], op[2], urgent=op[3], deadline_ms=op[4], deadline_kind="soft")
             q.push(r)
+            r.urgent_given = op[3]
             model[r.request_id], order[r.request_id] = r, n
             n += 1
         elif op[0] == "pop" and model:
-            expect = min(model.values(), key=lambda r: (*spec_key(r, now, None), order[r.request_id]))
+            expect = min(model.values(), key=lambda r: (*spec_key(r, levels), order[r.request_id]))
             got = q.pop()
             assert got is expect
             del model[got.request_id]
@@ -69,10 +76,11 @@ def test_order_is_the_spec_comparator(ops, after_ms, split):
             now += op[1]
             assert q.refresh(now, no_service) == []
             for r in model.values():  # the queue must have promoted exactly these
-                assert r.urgent == (spec_key(r, now, after_ms)[0] is False)
+                assert r.aged == aged(r, now, after_ms)
+                assert r.urgent == (r.urgent_given or r.aged)
         assert len(q) == len(model)
         assert all(rid in q for rid in model)
-    expect = sorted(model.values(), key=lambda r: (*spec_key(r, now, None), order[r.request_id]))
+    expect = sorted(model.values(), key=lambda r: (*spec_key(r, levels), order[r.request_id]))
     assert list(q) == expect
     assert [q.pop() for _ in range(len(q))] == expect
     assert q.peek() is None
@@ -223,7 +231,7 @@ def test_hundred_thousand_requests_scale():
         now += 0.05
     assert len(out) == n - n // 10
     assert len(q._heap) <= 2 * len(q) + 1024 and len(q._checks) <= 2 * len(q) + 1024
-    keys = [(not r.urgent, -r.priority, r.arrival_time) for r in out[:1000]]
+    keys = [spec_key(r, THREE) for r in out[:1000]]
     assert keys == sorted(keys)
 
 

@@ -50,6 +50,7 @@ class StepBuilder:
         self.budget = budget
         self.spent = 0
         self._stage_start = 0
+        self._admitted: set[str] = set()  # admitted from the queue this step: never preempted in it
 
     @property
     def stage_seqs(self) -> int:
@@ -107,6 +108,8 @@ class StepBuilder:
                 if n <= 0:
                     continue
                 table = grow(rid, start + n)
+                if table is None and sched.reclaim(sched.kv.num_blocks_needed(rid, start + n), below=req):
+                    table = grow(rid, start + n)  # preempted requests' kept blocks went first
                 while table is None:  # never preempt a request already in `out`
                     victim = sched.pick_victim({s.request_id for s in out} | {rid}) or req
                     sched.preempt(victim)
@@ -153,20 +156,56 @@ class StepBuilder:
         owed = sum([kv.num_blocks_needed(r.request_id, r.num_tokens) for r in sched.running]) \
             if cover_prompts else 0
         it = iter(candidates) if candidates is not None else None
-        while self.budget > 0 and len(sched.running) < cfg.max_num_seqs and (cap is None or len(self.seqs) < cap):
+        while self.budget > 0 and (cap is None or len(self.seqs) < cap):
             req = sched.waiting.peek() if it is None else next(it, None)
             if req is None:
+                break
+            if len(sched.running) >= cfg.max_num_seqs and not self._make_room(req, seat=True):
                 break
             n = req.num_tokens - req.num_computed_tokens
             if whole_prompts and self.budget < n <= cfg.max_num_batched_tokens:
                 break
-            if cover_prompts and kv.num_free_blocks - owed < kv.blocks_for(req.num_tokens):
-                break
-            seq = sched.admit(req, min(n, self.budget) if chunk is None else min(chunk, self.budget, n), self.now)
+            if cover_prompts:
+                need = owed + kv.num_blocks_needed(req.request_id, req.num_tokens)
+                while kv.num_free_blocks < need and not sched.reclaim(need, below=req):
+                    if not self._make_room(req):
+                        break
+                if kv.num_free_blocks < need:
+                    break
+            n = min(n, self.budget) if chunk is None else min(chunk, self.budget, n)
+            seq = sched.admit(req, n, self.now)
+            # its blocks don't fit: kept blocks of preempted requests go first, then a victim's
+            while seq is None and (sched.reclaim_one(below=req) or self._make_room(req)):
+                seq = sched.admit(req, n, self.now)
             if seq is None:
                 break
+            self._admitted.add(req.request_id)
             self.seqs.append(seq)
             self.budget -= seq.num_tokens
             self.spent += seq.num_tokens
             if cover_prompts:
                 owed += kv.num_blocks_needed(req.request_id, req.num_tokens)
+
+    def _make_room(self, req: Request, seat: bool = False) -> bool:
+        """Preempt the running request that `req` outranks by the priority gap (see
+        `Scheduler.priority_victim`), taking it out of this step's batch if it was in it.
+        `seat`: only a seat is short, so the victim keeps its KV blocks; otherwise blocks are
+        short and it gives them up. False when there is no such request."""
+        sched = self.sched
+        if not sched.policy.preemptive:
+            return False
+        victim = sched.priority_victim(req, self._admitted)
+        if victim is None:
+            return False
+        rid = victim.request_id
+        for i, s in enumerate(self.seqs):
+            if s.request_id == rid:  # it had tokens this step: give them back
+                del self.seqs[i]
+                self.spent -= s.num_tokens
+                if i >= self._stage_start:
+                    self.budget += s.num_tokens
+                else:
+                    self._stage_start -= 1
+                break
+        sched.preempt(victim, keep_kv=seat, reason="priority")
+        return True

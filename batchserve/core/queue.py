@@ -1,8 +1,15 @@
 """The admission queue: priority levels with caps and an overflow policy, an urgent lane,
-and one global order — urgent first, then higher priority, then earlier arrival.
+and one global order:
 
-Levels partition the priorities 0-10, so the order across levels is the same comparator as
-within one; one heap holds it. Side heaps, all with lazy deletion, answer the other
+    (level, lane, -priority, deadline, arrival)
+
+Higher levels first (levels rank by their highest priority); within a level the urgent lane
+first, then higher priority, then the earlier deadline (none counts as infinitely late), then
+earlier arrival. Urgency by slack stays inside the request's level: a low request about to miss
+its deadline goes first among the low ones, never ahead of a higher level, so splitting traffic
+into levels cannot cost the most important one. Urgency by wait (aging, `urgent_after_ms`) is
+the one way across levels: an aged request goes ahead of every level, which bounds starvation.
+One heap holds the order. Side heaps, all with lazy deletion, answer the other
 questions in O(log n): the oldest request of a level (drop_oldest), the oldest non-urgent
 request (promotion by wait), and the next request whose deadline needs a look (promotion by
 slack, hard-deadline misses). Nothing here reads the clock: `offer` and `refresh` take `now`.
@@ -18,8 +25,10 @@ from batchserve.config import LevelConfig, QueueConfig
 from batchserve.core.stats import QueueMetrics, QueueStats
 from batchserve.request import OverloadedError, Request
 
-# (lane: 0 urgent / 1 normal, -priority, arrival_time, push token, request)
-_Entry = tuple[int, int, float, int, Request]
+# (level rank: -1 aged / 0 the highest level..., lane: 0 urgent / 1 normal, -priority, deadline,
+#  arrival_time, push token, request)
+_Entry = tuple[int, int, int, float, float, int, Request]
+_AGED = -1
 _Side = tuple[float, int, Request]  # (time key, push token, request)
 
 
@@ -36,6 +45,8 @@ class AdmissionQueue:
         self.config = config or QueueConfig()
         self.levels: dict[str, LevelConfig] = {lv.name: lv for lv in self.config.levels}
         self._level_of = {p: lv for lv in self.config.levels for p in lv.priorities}
+        ranked = sorted(self.config.levels, key=lambda lv: -max(lv.priorities))
+        self._rank = {lv.name: i for i, lv in enumerate(ranked)}
         self._heap: list[_Entry] = []
         self._live: dict[str, _Entry] = {}  # request id -> its current heap entry
         self._count = {name: 0 for name in self.levels}
@@ -55,15 +66,15 @@ class AdmissionQueue:
 
     def __iter__(self) -> Iterator[Request]:
         """Queued requests in scheduling order (a sorted copy: O(n log n), for inspection)."""
-        return iter([e[4] for e in sorted(self._live.values())])
+        return iter([e[-1] for e in sorted(self._live.values())])
 
     def peek(self) -> Request | None:
         self._clean_top()
-        return self._heap[0][4] if self._heap else None
+        return self._heap[0][-1] if self._heap else None
 
     def pop(self) -> Request:
         self._clean_top()
-        req = heapq.heappop(self._heap)[4]
+        req = heapq.heappop(self._heap)[-1]
         self._forget(req)
         return req
 
@@ -72,23 +83,25 @@ class AdmissionQueue:
         entry = self._live.get(request_id)
         if entry is None:
             return None
-        self._forget(entry[4])
-        return entry[4]
+        self._forget(entry[-1])
+        return entry[-1]
 
     def push(self, req: Request) -> None:
-        """Queue a request without any cap check: re-queueing after preemption."""
+        """Queue a request without any cap check: re-queueing after preemption, which keeps
+        the request's place (its key depends only on what it was given at arrival, and on
+        whether it was promoted)."""
         if req.request_id in self._live:
             raise ValueError(f"request {req.request_id} already queued")
         level = self.resolve(req)
         tok = next(self._tokens)
-        entry = (0 if req.urgent else 1, -req.priority, req.arrival_time, tok, req)
+        entry = self._entry(req, tok)
         self._live[req.request_id] = entry
         heapq.heappush(self._heap, entry)
         heapq.heappush(self._oldest[level.name], (req.arrival_time, tok, req))
         self._count[level.name] += 1
         if req.urgent:
             self._urgent[level.name] += 1
-        elif self.config.urgent_after_ms is not None:
+        if not req.aged and self.config.urgent_after_ms is not None:
             heapq.heappush(self._by_arrival, (req.arrival_time, tok, req))
         if req.deadline is not None:
             heapq.heappush(self._checks, (-math.inf, tok, req))  # looked at on the next refresh
@@ -145,7 +158,7 @@ class AdmissionQueue:
             h = self._by_arrival
             while h and (now - h[0][0]) * 1000 > after:
                 _, tok, req = heapq.heappop(h)
-                if self._valid(req, tok) and not req.urgent:
+                if self._valid(req, tok) and not req.aged:
                     self._promote(req, "wait")
         slack_ms = self.config.urgent_slack_ms
         doomed = []
@@ -190,13 +203,20 @@ class AdmissionQueue:
             times.append(req.deadline - s)
         return min(times) if times else None
 
+    def _entry(self, req: Request, tok: int) -> _Entry:
+        d = req.deadline
+        rank = _AGED if req.aged else self._rank[req.level]
+        return (rank, 0 if req.urgent else 1, -req.priority, math.inf if d is None else d, req.arrival_time, tok, req)
+
     def _promote(self, req: Request, reason: str) -> None:
         old = self._live[req.request_id]
+        if not req.urgent:
+            self._urgent[req.level] += 1
         req.urgent = True
-        entry = (0,) + old[1:]
+        req.aged = req.aged or reason == "wait"
+        entry = self._entry(req, old[5])
         self._live[req.request_id] = entry
         heapq.heappush(self._heap, entry)
-        self._urgent[req.level] += 1
         self.metrics.on_promote(req.level, reason)
 
     # --- metrics ---------------------------------------------------------------------------
@@ -214,7 +234,7 @@ class AdmissionQueue:
     # --- internals ---------------------------------------------------------------------------
     def _valid(self, req: Request, tok: int) -> bool:
         entry = self._live.get(req.request_id)
-        return entry is not None and entry[3] == tok
+        return entry is not None and entry[5] == tok
 
     def _forget(self, req: Request) -> None:
         del self._live[req.request_id]
@@ -225,7 +245,7 @@ class AdmissionQueue:
 
     def _clean_top(self) -> None:
         heap = self._heap
-        while heap and self._live.get(heap[0][4].request_id) is not heap[0]:
+        while heap and self._live.get(heap[0][-1].request_id) is not heap[0]:
             heapq.heappop(heap)
 
     def _oldest_of(self, level: str) -> Request | None:

@@ -55,6 +55,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished: list[Request] = []  # finished since the last drain_finished()
         self._scheduled_at: float | None = None  # when the batch now running was scheduled
+        self.parked: dict[str, Request] = {}  # preempted, waiting, still holding their KV blocks (read-only)
         self.num_preemptions = 0
         self.num_steps = 0
 
@@ -140,6 +141,7 @@ class Scheduler:
         req.set_status(status)
         req.finish_time = now
         self.kv.free(req.request_id)
+        self.parked.pop(req.request_id, None)
         self.requests.pop(req.request_id, None)
         self.waiting.metrics.on_finish(req)
 
@@ -196,6 +198,7 @@ class Scheduler:
             req = requests.get(rid)
             if req is None or req.status is not _RUNNING:
                 continue  # aborted or finished while the step ran
+            req.work_tokens += len(seq.token_ids)
             if req.deadline_ms is not None:
                 miss = after_step(req, now)
                 if miss is not None:  # a result past a hard deadline is a failure
@@ -238,23 +241,76 @@ class Scheduler:
         return build_seq(req, n, self.kv.block_table(req.request_id))
 
     def pick_victim(self, exclude: set[str]) -> Request | None:
-        """Preemption victim: lowest priority, then latest arrival."""
+        """Preemption victim under memory pressure: lowest priority, then latest arrival."""
         cands = [r for r in self.running if r.request_id not in exclude]
         if not cands:
             return None
         return min(cands, key=lambda r: (r.priority, -r.arrival_time))
 
-    def preempt(self, req: Request) -> None:
-        """Preempt by recompute: blocks freed, counters reset, back to the waiting queue."""
+    def priority_victim(self, req: Request, exclude: set[str] | frozenset = frozenset()) -> Request | None:
+        """The running request `req` may preempt for a seat or blocks: the least important one
+        (lowest priority, then latest arrival) at least `preempt_gap` priorities below `req`
+        and preempted for priority fewer than `max_preemptions` times. None: no such request
+        (or preemption for priority is off)."""
+        gap = self.config.preempt_gap
+        if not gap:
+            return None
+        top = req.priority - gap
+        order = self.running_order()
+        for victim in reversed(order):  # least important first; stops at the first too important
+            if victim.priority > top:
+                return None
+            if victim.num_priority_preemptions < self.config.max_preemptions \
+                    and victim.request_id not in exclude and victim is not req and victim.status is _RUNNING:
+                return victim
+        return None
+
+    def preempt(self, req: Request, keep_kv: bool = False, reason: str = "memory") -> None:
+        """Take a running request back to the waiting queue, where it keeps its place.
+        `keep_kv`: it keeps its blocks and computed tokens and later resumes where it stopped
+        (a seat was short, not memory; `reclaim` frees them if memory runs out meanwhile);
+        otherwise its blocks are freed now and it recomputes them when it returns.
+        `reason` ("memory" or "priority") is what the metrics count it under."""
         self.running.remove(req)
-        self.kv.free(req.request_id)
-        req.decode_seq = None  # its block table is gone: a new one is built when it decodes again
+        recomputed = 0
+        if not keep_kv:
+            self.kv.free(req.request_id)
+            req.decode_seq = None  # its block table is gone: a new one is built when it decodes again
+            recomputed, req.num_computed_tokens = req.num_computed_tokens, 0
         req.set_status(RequestStatus.PREEMPTED)
-        req.num_computed_tokens = 0
         req.num_preemptions += 1
+        if reason == "priority":
+            req.num_priority_preemptions += 1
         self.num_preemptions += 1
+        self.waiting.metrics.on_preempt(req.level, reason, recomputed)
         req.set_status(RequestStatus.WAITING)
         self.waiting.push(req)
+        if keep_kv:
+            self.parked[req.request_id] = req
+
+    def reclaim(self, num_blocks: int, below: Request | None = None) -> bool:
+        """Free the blocks of preempted requests that kept theirs (they will recompute),
+        least important first and never one ranked above `below`, until `num_blocks` are free.
+        Whether that many are free at the end."""
+        while self.kv.num_free_blocks < num_blocks:
+            if not self.reclaim_one(below):
+                return False
+        return True
+
+    def reclaim_one(self, below: Request | None = None) -> bool:
+        """Free the blocks of the least important preempted request that kept its own (not
+        one ranked above `below`); False when there is none."""
+        cands = [r for r in self.parked.values()
+                 if below is None or (r is not below and priority_order(r) > priority_order(below))]
+        if not cands:
+            return False
+        req = max(cands, key=priority_order)
+        del self.parked[req.request_id]
+        self.kv.free(req.request_id)
+        req.decode_seq = None
+        self.waiting.metrics.on_recompute(req.level, req.num_computed_tokens)
+        req.num_computed_tokens = 0
+        return True
 
     def running_order(self) -> list[Request]:
         """`running` sorted by priority_order (stable: ties keep their running-set order).
@@ -269,13 +325,16 @@ class Scheduler:
     def admit(self, req: Request, n: int, now: float) -> ScheduledSeq | None:
         """Try to move the head-of-queue request into the running set with `n` tokens this step
         (after any cached prefix). None, with nothing changed, if its blocks don't fit."""
-        if not self.kv.has(req.request_id):
+        fresh = not self.kv.has(req.request_id)  # else preempted with its blocks kept: it resumes
+        if fresh:
             req.num_computed_tokens = self.kv.match_prefix(req)
             n = min(n, req.num_tokens - req.num_computed_tokens)
         if not self.kv.allocate(req.request_id, req.num_computed_tokens + n, req.max_num_tokens):
-            self.kv.free(req.request_id)
-            req.num_computed_tokens = 0
+            if fresh:
+                self.kv.free(req.request_id)
+                req.num_computed_tokens = 0
             return None
+        self.parked.pop(req.request_id, None)
         self.waiting.remove(req.request_id)
         req.set_status(RequestStatus.RUNNING)
         if req.first_scheduled_time is None:

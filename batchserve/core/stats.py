@@ -18,9 +18,16 @@ QueueStats
     truncated           soft-deadline requests whose max_tokens was cut (`deadline_truncated`)
     finished            requests that ended for any reason after entering the queue
     timeout_rate        deadline_misses (both kinds) / finished
+    preemptions         dict reason -> count: "priority" (made room for a more important
+                        request), "memory" (KV blocks ran out)
+    recomputed_tokens   tokens whose KV was dropped by a preemption and must be computed again
+    computed_tokens     tokens the model computed for requests that have finished
+    deadline_wasted_tokens
+                        of those, the tokens of requests that then missed a hard deadline
 LevelStats
     name, length, urgent_length, oldest_wait_ms, wait_p50_ms, wait_p99_ms, wait_mean_ms,
-    rejected, dropped, promotions, finished, deadline_misses (dict), timeout_rate
+    rejected, dropped, promotions, finished, deadline_misses (dict), timeout_rate,
+    preemptions (dict), recomputed_tokens, computed_tokens, deadline_wasted_tokens
 """
 from __future__ import annotations
 
@@ -55,6 +62,10 @@ class LevelStats:
     finished: int = 0
     deadline_misses: dict[str, int] = field(default_factory=lambda: {"hard": 0, "soft": 0})
     timeout_rate: float = 0.0
+    preemptions: dict[str, int] = field(default_factory=lambda: {"priority": 0, "memory": 0})
+    recomputed_tokens: int = 0
+    computed_tokens: int = 0
+    deadline_wasted_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -72,6 +83,10 @@ class QueueStats:
     truncated: int = 0
     finished: int = 0
     timeout_rate: float = 0.0
+    preemptions: dict[str, int] = field(default_factory=lambda: {"priority": 0, "memory": 0})
+    recomputed_tokens: int = 0
+    computed_tokens: int = 0
+    deadline_wasted_tokens: int = 0
 
 
 class _LevelCounters:
@@ -84,6 +99,10 @@ class _LevelCounters:
         self.misses = {"hard": 0, "soft": 0}
         self.num_waits = 0
         self.p50, self.p50_at = 0.0, 0
+        self.preemptions = {"priority": 0, "memory": 0}
+        self.recomputed = 0
+        self.computed = 0
+        self.wasted = 0
 
 
 class QueueMetrics:
@@ -125,12 +144,23 @@ class QueueMetrics:
     def on_truncate(self) -> None:
         self.truncated += 1
 
+    def on_preempt(self, level: str | None, reason: str, recomputed_tokens: int) -> None:
+        c = self._level(level)
+        c.preemptions[reason] += 1
+        c.recomputed += recomputed_tokens
+
+    def on_recompute(self, level: str | None, tokens: int) -> None:
+        """A preempted request that had kept its KV lost it (memory ran short): `tokens` to redo."""
+        self._level(level).recomputed += tokens
+
     def on_finish(self, req: Request) -> None:
         """A request that had entered the queue ended (any reason)."""
         lv = self._level(req.level)
         lv.finished += 1
+        lv.computed += req.work_tokens
         if req.status == RequestStatus.FINISHED_DEADLINE:
             lv.misses["hard"] += 1
+            lv.wasted += req.work_tokens
         elif req.deadline is not None and req.deadline_kind == "soft" and (
                 req.status == RequestStatus.FINISHED_TRUNCATED
                 or (req.finish_time is not None and req.finish_time > req.deadline)):
@@ -148,7 +178,9 @@ class QueueMetrics:
                 wait_p50_ms=1000 * percentile(ws, 50), wait_p99_ms=1000 * percentile(ws, 99),
                 wait_mean_ms=1000 * sum(ws) / len(ws) if ws else 0.0,
                 rejected=c.rejected, dropped=c.dropped, promotions=c.promotions, finished=c.finished,
-                deadline_misses=misses, timeout_rate=sum(misses.values()) / c.finished if c.finished else 0.0)
+                deadline_misses=misses, timeout_rate=sum(misses.values()) / c.finished if c.finished else 0.0,
+                preemptions=dict(c.preemptions), recomputed_tokens=c.recomputed, computed_tokens=c.computed,
+                deadline_wasted_tokens=c.wasted)
         ws = list(self._all_waits)
         finished = sum(lv.finished for lv in levels.values())
         misses = {k: sum(lv.deadline_misses[k] for lv in levels.values()) for k in ("hard", "soft")}
@@ -159,7 +191,11 @@ class QueueMetrics:
             rejected=sum(lv.rejected for lv in levels.values()),
             dropped=sum(lv.dropped for lv in levels.values()), promotions=dict(self.promotions),
             deadline_misses=misses, truncated=self.truncated, finished=finished,
-            timeout_rate=sum(misses.values()) / finished if finished else 0.0)
+            timeout_rate=sum(misses.values()) / finished if finished else 0.0,
+            preemptions={k: sum(lv.preemptions[k] for lv in levels.values()) for k in ("priority", "memory")},
+            recomputed_tokens=sum(lv.recomputed_tokens for lv in levels.values()),
+            computed_tokens=sum(lv.computed_tokens for lv in levels.values()),
+            deadline_wasted_tokens=sum(lv.deadline_wasted_tokens for lv in levels.values()))
 
 
 @dataclass(frozen=True)
@@ -176,3 +212,4 @@ class EngineSnapshot:
     prefix_hit_rate: float = 0.0
     window_ms: float | None = None
     max_batch: int | None = None
+    queue: QueueStats | None = None  # the admission queue's counters, by level

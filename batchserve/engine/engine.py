@@ -205,7 +205,8 @@ class LLMEngine:
         return EngineSnapshot(
             waiting=sched.waiting.lengths_by_level(), running=len(sched.running), kv_usage=kv.usage,
             kv_free_blocks=kv.num_free_blocks, kv_blocks=kv.num_blocks, preemptions=sched.num_preemptions,
-            prefix_hit_rate=kv.prefix_hit_rate, window_ms=policy.window_ms, max_batch=policy.max_batch)
+            prefix_hit_rate=kv.prefix_hit_rate, window_ms=policy.window_ms, max_batch=policy.max_batch,
+            queue=sched.waiting.stats(self.clock.now()))
 
     def queue_stats(self, now: float | None = None) -> QueueStats:
         """Admission-queue metrics: per-level lengths, waits, rejections, drops,

@@ -54,6 +54,27 @@ class _SnapshotCollector:
                                     value=s.window_ms)
         if s.max_batch is not None:
             yield GaugeMetricFamily("batchserve:max_batch", "The policy's current batch cap", value=s.max_batch)
+        if s.queue is not None:
+            yield from _level_counters(s.queue)
+
+
+def _level_counters(q) -> Iterator[Metric]:
+    """Per-level scheduling counters of the admission queue (core/stats.py QueueStats)."""
+    pre = CounterMetricFamily("batchserve:preemptions_by_level", "Running requests preempted, by level and reason "
+                              "(priority: for a more important request; memory: KV blocks ran out)",
+                              labels=["level", "reason"])
+    fams = {k: CounterMetricFamily(f"batchserve:{k}", h, labels=["level"]) for k, h in (
+        ("recomputed_tokens", "Tokens whose KV a preemption dropped, to be computed again"),
+        ("computed_tokens", "Tokens computed for finished requests"),
+        ("deadline_wasted_tokens", "Tokens computed for requests that then missed a hard deadline"))}
+    for name, lv in sorted(q.levels.items()):
+        for reason, n in sorted(lv.preemptions.items()):
+            pre.add_metric([name, reason], n)
+        fams["recomputed_tokens"].add_metric([name], lv.recomputed_tokens)
+        fams["computed_tokens"].add_metric([name], lv.computed_tokens)
+        fams["deadline_wasted_tokens"].add_metric([name], lv.deadline_wasted_tokens)
+    yield pre
+    yield from fams.values()
 
 
 class ServerMetrics:

@@ -20,6 +20,9 @@ class Policy:
     """
 
     name = "base"
+    # whether a waiting request may preempt a running one it outranks (Scheduler.priority_victim):
+    # the token-level policies, where a request can leave and rejoin the batch at any step
+    preemptive = False
 
     def __init__(self, config: SchedulerConfig | None = None) -> None:
         self.config = config or SchedulerConfig()

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 class ChunkedPolicy(Policy):
     name = "chunked"
+    preemptive = True
 
     def schedule(self, sched: "Scheduler", now: float) -> ScheduledBatch:
         chunk = sched.config.chunk_size

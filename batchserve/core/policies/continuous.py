@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
 class ContinuousPolicy(Policy):
     name = "continuous"
+    preemptive = True
 
     def schedule(self, sched: "Scheduler", now: float) -> ScheduledBatch:
         b = sched.builder(now)
