@@ -216,7 +216,9 @@ class LevelConfig:
     `priorities`: the request priorities (0-10) it takes. `capacity`: queued requests it holds
     (None: unbounded). `overflow`: what a full level does with a new request: `reject` it
     (OverloadedError, HTTP 503) or `drop_oldest` (its oldest queued request ends as rejected).
-    `deadline_ms` / `deadline_kind`: defaults for requests that carry none.
+    `deadline_ms` / `deadline_kind`: defaults for requests that carry none. `tpot_ms`: the
+    time-per-output-token target of its requests: while one runs, requests of lower or equal
+    priority join a step only while its predicted time stays under it.
     """
 
     name: str
@@ -225,6 +227,7 @@ class LevelConfig:
     overflow: str = "reject"
     deadline_ms: float | None = None
     deadline_kind: str = "hard"
+    tpot_ms: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "priorities", tuple(sorted(set(self.priorities))))
@@ -238,6 +241,7 @@ class LevelConfig:
         _check(self.overflow in _OVERFLOW, f"{f}.overflow", f"must be one of {_OVERFLOW}, got {self.overflow!r}")
         _check(self.deadline_ms is None or self.deadline_ms > 0, f"{f}.deadline_ms", "must be > 0")
         _check(self.deadline_kind in _KINDS, f"{f}.deadline_kind", f"must be one of {_KINDS}")
+        _check(self.tpot_ms is None or self.tpot_ms > 0, f"{f}.tpot_ms", "must be > 0")
 
 
 @dataclass(frozen=True)
@@ -295,7 +299,7 @@ class QueueConfig:
             item = dict(item)
             if "priorities" in item:
                 item["priorities"] = _parse_priorities(item["priorities"])
-            allowed = {"name", "priorities", "capacity", "overflow", "deadline_ms", "deadline_kind"}
+            allowed = {"name", "priorities", "capacity", "overflow", "deadline_ms", "deadline_kind", "tpot_ms"}
             _check(set(item) <= allowed, "queue.levels", f"unknown keys {sorted(set(item) - allowed)}")
             _check("name" in item, "queue.levels", "each level needs a name")
             levels.append(LevelConfig(**item))

@@ -104,16 +104,31 @@ def test_hard_deadline_in_queue_never_scheduled(make_fake_engine):
 
 
 def test_hard_deadline_while_running_frees_blocks_at_once(make_fake_engine):
-    """Without a fitted model (first steps) only the deadline itself ends it; blocks come back
-    in the same step and it is never scheduled at or after its deadline."""
+    """Before the latency model is fitted, the one measured step already says that 39 more
+    10 ms steps cannot fit in 45 ms: it ends after that step, not at its deadline, and its
+    blocks come back in the same step."""
     eng = make_fake_engine(num_blocks=32)
     eng.add_request(list(range(1, 9)), SamplingParams(max_tokens=40), now=0.0, request_id="late", deadline_ms=55)
     log = []
     done = drive(eng, log=log)
     o = done["late"]
-    assert o.finish_reason == "deadline" and "missed" in o.error
-    assert 0 < len(o.token_ids) < 40 and o.finish_time == pytest.approx(0.06)
-    assert all(t < 0.055 for t, ids in log if "late" in ids)
+    assert o.finish_reason == "deadline" and "cannot finish" in o.error
+    assert len(o.token_ids) == 1 and o.finish_time == pytest.approx(0.01)
+    assert [t for t, ids in log if "late" in ids] == [0.0]
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks
+    assert eng.queue_stats().deadline_wasted_tokens == 8  # its prompt: all it cost
+
+
+def test_hard_deadline_passed_ends_it_even_with_no_prediction(make_fake_engine):
+    """A step slower than any before it: the deadline itself ends the request, which is never
+    scheduled at or after it."""
+    eng = make_fake_engine(num_blocks=32)
+    eng.add_request(list(range(1, 9)), SamplingParams(max_tokens=3), now=0.0, request_id="late", deadline_ms=15)
+    eng.step(now=0.0)
+    outs = eng.step(now=0.02).outputs  # the first step ended at 20 ms
+    (o,) = [o for o in outs if o.finished]
+    assert o.finish_reason == "deadline" and "missed" in o.error and o.finish_time == 0.02
+    assert len(eng.executor.batches) == 1
     assert eng.kv.num_free_blocks == eng.kv.num_blocks
 
 
@@ -170,7 +185,8 @@ def test_soft_deadline_truncates_near_the_deadline(make_fake_engine):
 
 
 def test_soft_deadline_without_model_and_after_queueing(make_fake_engine):
-    """No fitted model: cut when the deadline passes. Queued past its deadline: one token."""
+    """No fitted model: the measured step plans the cut, a step early, so the answer arrives
+    by the deadline. Queued past its deadline with no token: an explicit `deadline` end."""
     eng = make_fake_engine(max_num_seqs=1)
     eng.add_request([1, 2, 3], SamplingParams(max_tokens=30), now=0.0, request_id="a",
                     deadline_ms=45, deadline_kind="soft")
@@ -178,10 +194,11 @@ def test_soft_deadline_without_model_and_after_queueing(make_fake_engine):
                     deadline_ms=20, deadline_kind="soft")
     done = drive(eng)
     a, b = done["a"], done["b"]
-    assert a.finish_reason == "deadline_truncated" and 4 <= len(a.token_ids) <= 6
-    assert b.finish_reason == "deadline_truncated" and len(b.token_ids) == 1
-    assert b.first_scheduled_time > 0.02  # it waited past its deadline and still got an answer
+    assert a.finish_reason == "deadline_truncated" and len(a.token_ids) >= 3 and a.finish_time <= 0.045
+    assert b.finish_reason == "deadline" and "before a first token" in b.error and not b.token_ids
+    assert b.first_scheduled_time is None and b.finish_time <= 0.03
     assert eng.scheduler.requests == {}
+    assert eng.queue_stats().deadline_misses == {"hard": 0, "soft": 2}  # a cut short, b ended
 
 
 def test_level_default_deadline_applies(make_fake_engine):

@@ -74,7 +74,12 @@ def test_order_is_the_spec_comparator(ops, after_ms, split):
             model.pop(rid, None)
         elif op[0] == "refresh":
             now += op[1]
-            assert q.refresh(now, no_service) == []
+            lost = q.refresh(now, no_service)  # soft deadlines passed: the caller ends them
+            assert {r.request_id for r in lost} == {rid for rid, r in model.items()
+                                                     if r.deadline is not None and now >= r.deadline}
+            for r in lost:
+                q.remove(r.request_id)
+                del model[r.request_id]
             for r in model.values():  # the queue must have promoted exactly these
                 assert r.aged == aged(r, now, after_ms)
                 assert r.urgent == (r.urgent_given or r.aged)
@@ -195,7 +200,8 @@ def test_promotion_by_slack_and_hard_doom():
     service["hard"] = 0.5  # a slower prediction now: noticed at the next looked-at time
     assert q.refresh(0.86, svc) == [hard]
     q.remove("hard")
-    assert q.refresh(5.0, svc) == []  # soft requests are never doomed in the queue
+    assert q.refresh(0.9, svc) == []  # soft requests are not doomed by a prediction...
+    assert [r.request_id for r in q.refresh(1.0, svc)] == ["soft"]  # ...only once their deadline passes
 
 
 def test_remove_by_id():

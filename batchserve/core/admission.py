@@ -15,10 +15,11 @@ KV blocks, and `running` preempts the least important request when blocks run ou
 """
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Callable, Iterable
 
 from batchserve.core.batch import ScheduledBatch, ScheduledSeq
-from batchserve.request import Request, RequestStatus
+from batchserve.request import MAX_PRIORITY, Request, RequestStatus
 
 if TYPE_CHECKING:
     from batchserve.core.scheduler import Scheduler
@@ -105,6 +106,8 @@ class StepBuilder:
                 n = min(total - start, budget)
                 if chunk and chunk < n:
                     n = chunk
+                if n > 1 and req.priority < MAX_PRIORITY:  # a prompt chunk: never slows the more important
+                    n = self._fit(req.priority + 1, n, self.spent + self.budget - budget)
                 if n <= 0:
                     continue
                 table = grow(rid, start + n)
@@ -160,10 +163,15 @@ class StepBuilder:
             req = sched.waiting.peek() if it is None else next(it, None)
             if req is None:
                 break
-            if len(sched.running) >= cfg.max_num_seqs and not self._make_room(req, seat=True):
-                break
             n = req.num_tokens - req.num_computed_tokens
             if whole_prompts and self.budget < n <= cfg.max_num_batched_tokens:
+                break
+            n = min(n, self.budget) if chunk is None else min(chunk, self.budget, n)
+            fit = self._fit(req.priority, n)
+            if fit == 0 or (whole_prompts and fit < n):
+                break  # the step would outlast what a running request can afford
+            n = fit
+            if len(sched.running) >= cfg.max_num_seqs and not self._make_room(req, seat=True):
                 break
             if cover_prompts:
                 need = owed + kv.num_blocks_needed(req.request_id, req.num_tokens)
@@ -172,7 +180,6 @@ class StepBuilder:
                         break
                 if kv.num_free_blocks < need:
                     break
-            n = min(n, self.budget) if chunk is None else min(chunk, self.budget, n)
             seq = sched.admit(req, n, self.now)
             # its blocks don't fit: kept blocks of preempted requests go first, then a victim's
             while seq is None and (sched.reclaim_one(below=req) or self._make_room(req)):
@@ -185,6 +192,29 @@ class StepBuilder:
             self.spent += seq.num_tokens
             if cover_prompts:
                 owed += kv.num_blocks_needed(req.request_id, req.num_tokens)
+
+    def _fit(self, priority: int, n: int, spent: int | None = None) -> int:
+        """How many of `n` prompt tokens a request of `priority` may add to this step as one more
+        seq: the most that keep the step's predicted time under the ceiling the running requests
+        of that priority and above set (core/deadlines.py); `n` when no ceiling applies, 0 when
+        not even one token fits. `spent`: the step's tokens so far, if not yet in `self.spent`."""
+        limit = self.sched.deadlines.ceiling[priority]
+        if limit == math.inf:
+            return n
+        predict, seqs = self.sched.latency.predict_step, len(self.seqs) + 1
+        base = self.spent if spent is None else spent
+        if predict(base + n, seqs) <= limit:
+            return n
+        if predict(base + 1, seqs) > limit:
+            return 0
+        lo, hi = 1, n  # predict(lo) fits, predict(hi) does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if predict(base + mid, seqs) <= limit:
+                lo = mid
+            else:
+                hi = mid
+        return lo
 
     def _make_room(self, req: Request, seat: bool = False) -> bool:
         """Preempt the running request that `req` outranks by the priority gap (see

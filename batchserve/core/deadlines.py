@@ -5,12 +5,26 @@ Hard: a request ends with finish reason `deadline` as soon as it has missed its 
 the latency model predicts it cannot make it (now + predicted service >= deadline), whether
 it is queued or running; its blocks are freed at once, and it is never scheduled after its
 deadline. A step that ends past the deadline does not count: the request fails there.
-Soft: a running request whose predicted finish passes the deadline has its effective
-`max_tokens` lowered to what fits, so it ends near the deadline with finish reason
-`deadline_truncated` and the text so far; it always gets at least one token.
+Soft: a running request's effective `max_tokens` is planned each step from its predicted
+finish, one step early, so the shortened answer arrives by the deadline with finish reason
+`deadline_truncated`. A soft request whose deadline passes before it has a token ends with
+finish reason `deadline` (an error saying so), never with silence.
+
+Every prediction is the latency model's, scaled by how much slower the recent measured
+steps were than it predicts for batches of their size (`slowdown`, never below 1): under load
+the steps a request shares carry other requests' prompt tokens, which a decode-only prediction
+leaves out. Before the model is fitted, the recent measured step stands in for every step.
+
+Step ceilings protect requests that are running from those that join: a running request
+with a hard deadline can afford steps of (time left) / (tokens left), one whose level has a
+`tpot_ms` target steps of that length; `ceiling[p]` is the least of these over running
+requests of priority >= p, and admission keeps each step's predicted time under the ceiling
+of the joining request's priority (so the important are never slowed by the less important
+joining them, and the admitted set stays feasible).
 
 Predictions assume a request runs to its max_tokens, and they are 0.0 until the latency
-model has seen enough steps, so until then only deadlines actually passed end requests.
+model has seen enough steps or one step has been measured, so until then only deadlines
+actually passed end requests.
 All times are passed in.
 """
 from __future__ import annotations
@@ -18,10 +32,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
-from batchserve.config import SchedulerConfig
+import math
+
+from batchserve.config import QueueConfig, SchedulerConfig
 from batchserve.core.latency import LatencyModel, service_time, tokens_within
 from batchserve.core.queue import AdmissionQueue
-from batchserve.request import Request, RequestStatus
+from batchserve.request import MAX_PRIORITY, Request, RequestStatus
+
+_EWMA = 0.2  # weight of the newest step in the recent-step averages
+_NO_CEILING = [math.inf] * (MAX_PRIORITY + 1)
 
 
 @dataclass(frozen=True)
@@ -47,6 +66,9 @@ Decision = Miss | Truncate
 
 def _miss(req: Request, now: float, predicted: float) -> Miss:
     assert req.deadline is not None
+    if not req.hard_deadline:
+        return Miss(req, f"soft deadline of {req.deadline_ms:g} ms passed before a first token "
+                         f"({1000 * (now - req.arrival_time):.0f} ms since arrival)")
     if now >= req.deadline:
         return Miss(req, f"hard deadline of {req.deadline_ms:g} ms missed "
                          f"({1000 * (now - req.arrival_time):.0f} ms since arrival)")
@@ -60,17 +82,43 @@ class DeadlineRules:
     `prediction_floor` is the lowest step prediction the queue's deadline look-at times rest
     on (see `_watch_predictions`)."""
 
-    def __init__(self, config: SchedulerConfig, latency: LatencyModel) -> None:
+    def __init__(self, config: SchedulerConfig, latency: LatencyModel, queue: QueueConfig | None = None) -> None:
         self.config = config
         self.latency = latency
         self.prediction_floor = 0.0
+        self.recent_step = 0.0  # seconds, an exponential average of the measured steps
+        self.recent_seqs = 0.0  # their sequences, averaged alike
+        self._steps = _Measured(latency, self)
+        self._tpot = {lv.name: lv.tpot_ms / 1000 for lv in (queue or QueueConfig()).levels if lv.tpot_ms}
+        self.ceiling: list[float] = _NO_CEILING  # by priority: the longest step a joining request may make
+
+    def observe_step(self, num_seqs: int, seconds: float) -> None:
+        """A step of `num_seqs` sequences took `seconds`."""
+        r = self.recent_step
+        if r == 0.0:
+            self.recent_step, self.recent_seqs = seconds, float(num_seqs)
+        else:
+            self.recent_step = r + _EWMA * (seconds - r)
+            self.recent_seqs += _EWMA * (num_seqs - self.recent_seqs)
+
+    def forget_steps(self) -> None:
+        """Drop the recent-step averages (the steps seen were not representative)."""
+        self.recent_step = self.recent_seqs = 0.0
+        self._steps.refresh()
+
+    @property
+    def slowdown(self) -> float:
+        """Recent measured steps over the model's prediction for steps of their size (>= 1)."""
+        b = max(1, round(self.recent_seqs))
+        p = self.latency.predict_step(b, b)
+        return max(1.0, self.recent_step / p) if p > 0 else 1.0
 
     def service(self, req: Request, num_running: int, joining: bool = False) -> float:
         """Seconds `req` still needs if it ran from now beside `num_running` others (plus
         itself, when `joining` from the queue), to its max_tokens."""
         cfg = self.config
         batch = min(cfg.max_num_seqs, num_running + (1 if joining else 0))
-        return service_time(self.latency, req.num_tokens - req.num_computed_tokens,
+        return service_time(self._steps, req.num_tokens - req.num_computed_tokens,
                             req.max_tokens - req.num_output_tokens, batch, cfg.max_num_batched_tokens)
 
     def at_admission(self, req: Request, num_running: int, now: float) -> Miss | None:
@@ -84,16 +132,36 @@ class DeadlineRules:
         """Queued and running hard-deadline requests that cannot make it; soft-deadline running
         requests cut to what fits. A generator: each decision is applied before the next is
         made, so later predictions see the running set the earlier ones left."""
+        self._steps.refresh()
         self._watch_predictions(waiting, len(running))
         for req in waiting.refresh(now, lambda r: self.service(r, len(running), joining=True)):
             yield _miss(req, now, self.service(req, len(running), joining=True))
-        for req in [r for r in running if r.deadline_ms is not None]:
-            s = self.service(req, len(running))
-            if req.hard_deadline:
-                if now + s >= req.deadline:
-                    yield _miss(req, now, s)
-            elif now + s > req.deadline:
-                yield self._truncate(req, len(running), now)
+        limits: list[float] | None = None
+        tpot = self._tpot
+        for req in [r for r in running if r.deadline_ms is not None or r.level in tpot]:
+            lim = tpot.get(req.level, math.inf)  # type: ignore[arg-type]
+            if req.deadline_ms is not None:
+                s = self.service(req, len(running))
+                if req.hard_deadline:
+                    if now + s >= req.deadline:
+                        yield _miss(req, now, s)
+                        continue
+                    lim = min(lim, (req.deadline - now) / (req.max_tokens - req.num_output_tokens + 1))
+                elif now + s + self._steps.predict_step(len(running), len(running)) > req.deadline:
+                    decision = self._truncate(req, len(running), now)
+                    yield decision
+                    if isinstance(decision, Miss) or decision.finish:
+                        continue
+            if lim < math.inf:
+                if limits is None:
+                    limits = [math.inf] * (MAX_PRIORITY + 1)
+                limits[req.priority] = min(limits[req.priority], lim)
+        if limits is None:
+            self.ceiling = _NO_CEILING
+        else:
+            for p in range(MAX_PRIORITY - 1, -1, -1):  # a request of priority p protects those of >= p
+                limits[p] = min(limits[p], limits[p + 1])
+            self.ceiling = limits
 
     def after_step(self, req: Request, end: float) -> Miss | None:
         """A hard-deadline request whose step ended after its deadline: its result is too late."""
@@ -119,16 +187,44 @@ class DeadlineRules:
         else:
             self.prediction_floor = min(low, probe)
 
-    def _truncate(self, req: Request, num_running: int, now: float) -> Truncate:
-        """The tokens that fit before the deadline (at least one in all)."""
+    def _truncate(self, req: Request, num_running: int, now: float) -> Decision:
+        """The tokens that fit before the deadline, planned to end a step early (at least one
+        in all); a request whose deadline has passed with no token yet is a miss."""
         assert req.deadline is not None
-        fit = tokens_within(self.latency, req.deadline - now, req.num_tokens - req.num_computed_tokens,
+        if now >= req.deadline and req.num_output_tokens == 0:
+            return _miss(req, now, 0.0)
+        step = self._steps.predict_step(num_running, num_running)
+        fit = tokens_within(self._steps, req.deadline - now - step, req.num_tokens - req.num_computed_tokens,
                             num_running, self.config.max_num_batched_tokens)
         if fit is None:
             return Truncate(req, None, False)
         cap = max(1, req.num_output_tokens + fit)
         new = cap if cap < req.max_tokens else None
         return Truncate(req, new, req.num_output_tokens >= (req.max_tokens if new is None else new))
+
+
+class _Measured:
+    """The latency model as the deadline rules see it: its predictions times the slowdown the
+    recent steps showed, or the recent step itself while the model predicts nothing. The
+    slowdown is computed at most once per step (after `refresh`), and only when asked for."""
+
+    def __init__(self, model: LatencyModel, rules: DeadlineRules) -> None:
+        self.model, self.rules = model, rules
+        self.factor: float | None = None
+
+    def refresh(self) -> None:
+        self.factor = None
+
+    def predict_step(self, num_tokens: int, num_seqs: int) -> float:
+        p = self.model.predict_step(num_tokens, num_seqs)
+        if p <= 0:
+            return self.rules.recent_step
+        if self.factor is None:
+            self.factor = self.rules.slowdown
+        return p * self.factor
+
+    def observe(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
+        self.model.observe(num_tokens, num_seqs, seconds)
 
 
 def length_status(req: Request) -> RequestStatus:

@@ -60,6 +60,13 @@ class OnlineLinearModel:
     def num_samples(self) -> int:
         return len(self._y)
 
+    def clear(self) -> None:
+        """Forget every step seen."""
+        self._x.clear()
+        self._s.clear()
+        self._y.clear()
+        self._coef = None
+
     def observe(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
         if num_seqs <= 0 or seconds < 0 or not math.isfinite(seconds):
             return

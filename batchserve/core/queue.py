@@ -151,8 +151,8 @@ class AdmissionQueue:
     def refresh(self, now: float, service_time: Callable[[Request], float]) -> list[Request]:
         """Promote requests that waited past `urgent_after_ms` or whose slack
         (deadline - now - service_time(req)) is under `urgent_slack_ms`, and return the queued
-        hard-deadline requests that cannot make it (now + service_time >= deadline). Those
-        stay queued: the caller ends them."""
+        requests whose deadline is lost: hard ones that cannot make it (now + service_time >=
+        deadline), soft ones whose deadline has passed. Those stay queued: the caller ends them."""
         after = self.config.urgent_after_ms
         if after is not None:
             h = self._by_arrival
@@ -169,16 +169,15 @@ class AdmissionQueue:
                 continue
             s = service_time(req)
             left = req.deadline - now - s
-            if req.hard_deadline and left <= 0:
+            if (left <= 0 and req.hard_deadline) or now >= req.deadline:  # soft: passed with no token
                 doomed.append(req)
                 continue
             if slack_ms is not None and not req.urgent and left * 1000 <= slack_ms:
                 self._promote(req, "slack")
             nxt = self._next_check(req, s, slack_ms)
-            if nxt is not None:
-                # a later, larger prediction is still seen no later than this time, which is
-                # never after the deadline: a hard request is never scheduled past it
-                heapq.heappush(checks, (max(nxt, math.nextafter(now, math.inf)), tok, req))
+            # a later, larger prediction is still seen no later than this time, which is
+            # never after the deadline: a hard request is never scheduled past it
+            heapq.heappush(checks, (max(nxt, math.nextafter(now, math.inf)), tok, req))
         self._maybe_compact()
         return doomed
 
@@ -195,13 +194,12 @@ class AdmissionQueue:
         heapq.heapify(self._checks)
 
     @staticmethod
-    def _next_check(req: Request, s: float, slack_ms: float | None) -> float | None:
+    def _next_check(req: Request, s: float, slack_ms: float | None) -> float:
         times = []
         if slack_ms is not None and not req.urgent:
             times.append(req.deadline - s - slack_ms / 1000)
-        if req.hard_deadline:
-            times.append(req.deadline - s)
-        return min(times) if times else None
+        times.append(req.deadline - s if req.hard_deadline else req.deadline)
+        return min(times)
 
     def _entry(self, req: Request, tok: int) -> _Entry:
         d = req.deadline

@@ -48,7 +48,7 @@ class Scheduler:
         self.policy = policy
         self.waiting = AdmissionQueue(queue)
         self.latency: LatencyModel = latency or OnlineLinearModel()  # fed each step's time by update()
-        self.deadlines = DeadlineRules(config, self.latency)
+        self.deadlines = DeadlineRules(config, self.latency, self.waiting.config)
         self.running: list[Request] = []
         self._order: list[Request] = []  # `running` sorted by priority_order (running_order())
         self._order_of: list[Request] = []  # the `running` that _order was sorted from
@@ -188,6 +188,7 @@ class Scheduler:
         that hit EOS / a stop token / their length. Returns every request that changed."""
         if self._scheduled_at is not None:
             self.latency.observe(batch.num_tokens, batch.num_seqs, now - self._scheduled_at)
+            self.deadlines.observe_step(batch.num_seqs, now - self._scheduled_at)
             self._scheduled_at = None
         changed: list[Request] = []
         requests, sampled = self.requests, output.sampled

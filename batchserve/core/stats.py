@@ -14,7 +14,8 @@ QueueStats
     promotions          dict reason -> count: "wait" (waited past urgent_after_ms),
                         "slack" (slack under urgent_slack_ms)
     deadline_misses     dict kind -> count: "hard" (ended with finish reason `deadline`),
-                        "soft" (truncated, or finished after its deadline)
+                        "soft" (truncated, finished after its deadline, or ended with
+                        `deadline` because it passed before a first token)
     truncated           soft-deadline requests whose max_tokens was cut (`deadline_truncated`)
     finished            requests that ended for any reason after entering the queue
     timeout_rate        deadline_misses (both kinds) / finished
@@ -23,7 +24,7 @@ QueueStats
     recomputed_tokens   tokens whose KV was dropped by a preemption and must be computed again
     computed_tokens     tokens the model computed for requests that have finished
     deadline_wasted_tokens
-                        of those, the tokens of requests that then missed a hard deadline
+                        of those, the tokens of requests that then ended with `deadline`
 LevelStats
     name, length, urgent_length, oldest_wait_ms, wait_p50_ms, wait_p99_ms, wait_mean_ms,
     rejected, dropped, promotions, finished, deadline_misses (dict), timeout_rate,
@@ -159,7 +160,7 @@ class QueueMetrics:
         lv.finished += 1
         lv.computed += req.work_tokens
         if req.status == RequestStatus.FINISHED_DEADLINE:
-            lv.misses["hard"] += 1
+            lv.misses["hard" if req.hard_deadline else "soft"] += 1
             lv.wasted += req.work_tokens
         elif req.deadline is not None and req.deadline_kind == "soft" and (
                 req.status == RequestStatus.FINISHED_TRUNCATED

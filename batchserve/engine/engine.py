@@ -13,7 +13,7 @@ from batchserve.core.kv_cache import KVCacheManager
 from batchserve.core.latency import load_latency_profile
 from batchserve.core.policies import make_policy
 from batchserve.core.scheduler import Scheduler
-from batchserve.core.stats import EngineSnapshot, QueueStats
+from batchserve.core.stats import EngineSnapshot, QueueMetrics, QueueStats
 from batchserve.engine.clock import WallClock
 from batchserve.engine.detokenizer import DetokState, detokenize_step, find_stop, text_decoder
 from batchserve.request import DEFAULT_PRIORITY, Request, RequestError, RequestSpec, RequestStatus, SamplingParams
@@ -104,7 +104,9 @@ class LLMEngine:
         cfg, tok = loaded.config, loaded.tokenizer
         del loaded  # the float32 copies the runner did not keep (all of them with GGUF blocks)
         release_freed_memory()
-        return cls(config, runner, tok, cfg.eos_token_id, clock)
+        engine = cls(config, runner, tok, cfg.eos_token_id, clock)
+        engine.warm_up()
+        return engine
 
     # --- intake -------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None) -> list[int]:
@@ -184,6 +186,32 @@ class LLMEngine:
         rid = request_id or f"req-{next(self._ids)}"
         return Request(rid, ids, params, self.clock.now() if now is None else now, priority=priority,
                        deadline_ms=deadline_ms, deadline_kind=deadline_kind, eos_token_id=self.eos_token_id)
+
+    def warm_up(self, rounds: int = 2) -> None:
+        """Run a few synthetic requests (a batch of four short prompts, then one decoding
+        alone) before serving. The first round pays the one-time costs of the first steps and is
+        forgotten; the steps of the last seed the latency model, so the first real request with
+        a hard deadline is judged on measured step times (refused at once when it cannot make
+        it) instead of admitted blind. Nothing of it stays: no request, block or counter."""
+        sched = self.scheduler
+        vocab = getattr(getattr(self.executor, "cfg", None), "vocab_size", None) or 1000
+        for r in range(rounds):
+            if r == rounds - 1 and hasattr(sched.latency, "clear"):
+                sched.latency.clear()  # a profiled model keeps its fit; it does not learn online
+                sched.deadlines.forget_steps()
+            shapes = [(32, 4)] * 4 + [(8, 8)]
+            for i, (n_prompt, n_out) in enumerate(shapes):
+                ids = [(7 * r + 13 * i + k) % (vocab - 1) + 1 for k in range(n_prompt)]
+                self.add_request(ids, SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True),
+                                 request_id=f"warm-up-{r}-{i}")
+                if i < 4:
+                    continue
+                while self.has_unfinished:
+                    self.step()
+        sched.waiting.metrics = QueueMetrics(sched.waiting.levels)
+        sched.num_steps = sched.num_preemptions = 0
+        self.kv.prefix_queries = self.kv.prefix_hits = 0
+        self.num_generated_tokens = 0
 
     def abort(self, request_id: str, now: float | None = None) -> None:
         self.scheduler.abort(request_id, self.clock.now() if now is None else now)

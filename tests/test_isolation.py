@@ -1,0 +1,134 @@
+"""Isolation of the important, model-free (fake executor whose step time grows with its tokens,
+virtual clock): step ceilings keep the steps a running request shares within its level's
+TPOT target or what its hard deadline can afford, whatever joins; soft deadlines are planned
+so the answer arrives by the deadline; a warmed-up engine refuses an impossible hard deadline
+before running anything."""
+from batchserve.config import LevelConfig, QueueConfig
+from batchserve.core.batch import ScheduledBatch, StepOutput
+from batchserve.request import SamplingParams
+from tests.conftest import FakeExecutor
+
+LEVELS = (LevelConfig("high", tuple(range(7, 11)), tpot_ms=6.0), LevelConfig("low", tuple(range(0, 7))))
+
+
+class TokenCostExecutor(FakeExecutor):
+    """A step costs 2 ms + 0.05 ms per token; with `clock`, execute advances it (wall-clock use)."""
+
+    def __init__(self, num_blocks=512, clock=None):
+        super().__init__(num_blocks)
+        self.clock = clock
+
+    def execute(self, batch: ScheduledBatch) -> StepOutput:
+        self.step_time = 0.002 + 0.00005 * batch.num_tokens
+        if self.clock is not None:
+            self.clock.set(self.clock.now() + self.step_time)
+        return super().execute(batch)
+
+
+def drive(eng, t=0.0, arrivals=(), limit=100_000):
+    """Step on virtual time, adding (time, kwargs) arrivals when due; outputs by id, and the
+    (step time, ids) of every step."""
+    pending, done, steps = sorted(arrivals, key=lambda a: a[0]), {}, []
+    while pending or eng.has_unfinished:
+        while pending and pending[0][0] <= t:
+            at, kw = pending.pop(0)
+            eng.add_request(now=at, **kw)
+        n = len(eng.executor.batches)
+        for o in eng.step(now=t).outputs:
+            if o.finished:
+                done[o.request_id] = o
+        if len(eng.executor.batches) > n:
+            steps.append((eng.executor.step_time, {s.request_id for s in eng.executor.batches[-1].seqs}))
+            t += eng.executor.step_time
+        else:
+            t += 0.001
+        limit -= 1
+        assert limit > 0
+    return done, steps
+
+
+def warm(eng, t=0.0):
+    for i in range(3):
+        eng.add_request([1] * (4 + 20 * i), SamplingParams(max_tokens=8 + 2 * i, ignore_eos=True), now=t, request_id=f"w{i}")
+    _, steps = drive(eng, t)
+    assert eng.scheduler.latency.ready
+    return t + sum(s for s, _ in steps)
+
+
+def flood(t0, n=12):
+    """Long low-priority prompts arriving while the high request decodes."""
+    return [(t0 + 0.002 * i, dict(prompt=[2] * 200, params=SamplingParams(max_tokens=3, ignore_eos=True),
+                                  request_id=f"low{i}", priority=1)) for i in range(n)]
+
+
+def high(t0):
+    return [(t0, dict(prompt=[3] * 4, params=SamplingParams(max_tokens=40, ignore_eos=True), request_id="hi",
+                      priority=9))]
+
+
+def run(make_fake_engine, levels, policy):
+    eng = make_fake_engine(num_blocks=512, executor=TokenCostExecutor(), queue=QueueConfig(levels=levels),
+                           policy=policy, max_num_batched_tokens=512, chunk_size=128)
+    t0 = warm(eng)
+    done, steps = drive(eng, t0, high(t0) + flood(t0 + 0.01))
+    hi_steps = [s for s, ids in steps if "hi" in ids][1:]  # after its own prompt
+    return done, hi_steps
+
+
+def test_a_tpot_target_keeps_long_prompts_out_of_the_important_requests_steps(make_fake_engine):
+    for policy in ("continuous", "chunked"):
+        done, hi_steps = run(make_fake_engine, LEVELS, policy)
+        assert max(hi_steps) <= 0.006 + 1e-9, policy
+        assert all(done[f"low{i}"].finish_reason == "length" for i in range(12))  # they still all run
+        free, hi_free = run(make_fake_engine, (LevelConfig("high", tuple(range(7, 11))), LEVELS[1]), policy)
+        assert max(hi_free) > 0.006  # without the target the flood's prompts share its steps
+        assert done["hi"].finish_time <= free["hi"].finish_time + 1e-9
+    # chunked keeps the flood moving in chunks that fit the target: the first low one is done early
+    done, _ = run(make_fake_engine, LEVELS, "chunked")
+    assert done["low0"].finish_time < done["hi"].finish_time
+
+
+def test_a_running_hard_deadline_is_protected_from_what_joins(make_fake_engine):
+    """Alone it needs 40 steps of 2.05 ms; its deadline affords steps of about 3 ms. Without
+    the ceiling, 200-token prompts (12 ms steps) would make it miss."""
+    eng = make_fake_engine(num_blocks=512, executor=TokenCostExecutor(), max_num_batched_tokens=512)
+    t0 = warm(eng)
+    target = [(t0, dict(prompt=[3] * 4, params=SamplingParams(max_tokens=40, ignore_eos=True), request_id="hi",
+                        priority=5, deadline_ms=125, deadline_kind="hard"))]
+    low = [(a, {**kw, "priority": 5}) for a, kw in flood(t0 + 0.01)]
+    done, steps = drive(eng, t0, target + low)
+    assert done["hi"].finish_reason == "length" and done["hi"].finish_time <= t0 + 0.125
+    assert all(done[f"low{i}"].finish_reason == "length" for i in range(12))
+    assert eng.queue_stats().deadline_wasted_tokens == 0
+
+
+def test_soft_deadlines_are_planned_to_arrive_on_time(make_fake_engine):
+    """Every request asks for more than its soft deadline allows, under a stream of others:
+    the planned cut delivers them all by the deadline, each with a non-empty answer."""
+    eng = make_fake_engine(num_blocks=1024, executor=TokenCostExecutor(1024), max_num_batched_tokens=512)
+    t0 = warm(eng)
+    arrivals = [(t0 + 0.004 * i, dict(prompt=[4] * (8 + 30 * (i % 4)), request_id=f"s{i}",
+                                      params=SamplingParams(max_tokens=200, ignore_eos=True),
+                                      deadline_ms=80, deadline_kind="soft")) for i in range(40)]
+    done, _ = drive(eng, t0, arrivals)
+    late = [o for o in done.values() if o.request_id.startswith("s") and o.finish_time > o.arrival_time + 0.080]
+    assert not late
+    assert all(done[f"s{i}"].finish_reason == "deadline_truncated" and done[f"s{i}"].token_ids for i in range(40))
+
+
+def test_a_warmed_up_engine_refuses_an_impossible_hard_deadline_before_any_step(make_fake_engine):
+    from batchserve.engine.clock import SimClock
+
+    clock = SimClock()
+    eng = make_fake_engine(executor=TokenCostExecutor(64, clock))
+    eng.clock = clock
+    eng.warm_up()
+    assert eng.scheduler.latency.ready and not eng.has_unfinished
+    assert eng.queue_stats().finished == 0 and eng.scheduler.num_steps == 0  # nothing of it stays
+    ran = len(eng.executor.batches)
+    eng.add_request([1] * 8, SamplingParams(max_tokens=50), now=clock.now(), request_id="x", deadline_ms=20,
+                    deadline_kind="hard")
+    (o,) = eng.step(now=clock.now()).outputs
+    assert o.finish_reason == "deadline" and "cannot finish" in o.error
+    assert len(eng.executor.batches) == ran  # refused without running a step
+    eng.kv.check_all_free()
