@@ -250,13 +250,15 @@ class QueueConfig:
     the urgent lane. A request is promoted to the urgent lane when it has waited longer than
     `urgent_after_ms`, or when its slack (deadline - now - predicted service) drops under
     `urgent_slack_ms`; None switches either rule off. `retry_after_s` is the least Retry-After
-    a refusal suggests. The default, one unbounded level, is a plain priority queue."""
+    a refusal suggests. Tenants of a level share it by their service over about the last
+    `tenant_memory_s` seconds. The default, one unbounded level, is a plain priority queue."""
 
     levels: tuple[LevelConfig, ...] = _file_only(
         (LevelConfig("default"),), "the priority levels (default: one unbounded level taking every priority)")
     urgent_after_ms: float | None = _file_only(None, "promote to the urgent lane after waiting this long")
     urgent_slack_ms: float | None = _file_only(50.0, "promote to the urgent lane when the slack drops under this")
     retry_after_s: float = _file_only(1.0, "the least Retry-After a refusal suggests")
+    tenant_memory_s: float = _file_only(60.0, "time constant with which a tenant's past service stops counting")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "levels", tuple(self.levels))
@@ -273,6 +275,7 @@ class QueueConfig:
         _check(self.urgent_after_ms is None or self.urgent_after_ms >= 0, "queue.urgent_after_ms", "must be >= 0")
         _check(self.urgent_slack_ms is None or self.urgent_slack_ms >= 0, "queue.urgent_slack_ms", "must be >= 0")
         _check(self.retry_after_s > 0, "queue.retry_after_s", "must be > 0")
+        _check(self.tenant_memory_s > 0, "queue.tenant_memory_s", "must be > 0")
 
     @classmethod
     def bounded(cls, capacity: int) -> "QueueConfig":
@@ -288,7 +291,7 @@ class QueueConfig:
             raise ConfigError(f"queue: expected a mapping, got {type(d).__name__}")
         if "queue" in d and isinstance(d["queue"], dict):
             d = d["queue"]
-        unknown = set(d) - {"levels", "urgent_after_ms", "urgent_slack_ms", "retry_after_s"}
+        unknown = set(d) - {"levels", "urgent_after_ms", "urgent_slack_ms", "retry_after_s", "tenant_memory_s"}
         _check(not unknown, "queue", f"unknown keys {sorted(unknown)}")
         raw = d.get("levels", [{"name": "default"}])
         if isinstance(raw, dict):
@@ -303,7 +306,7 @@ class QueueConfig:
             _check(set(item) <= allowed, "queue.levels", f"unknown keys {sorted(set(item) - allowed)}")
             _check("name" in item, "queue.levels", "each level needs a name")
             levels.append(LevelConfig(**item))
-        kw = {k: d[k] for k in ("urgent_after_ms", "urgent_slack_ms", "retry_after_s") if k in d}
+        kw = {k: d[k] for k in ("urgent_after_ms", "urgent_slack_ms", "retry_after_s", "tenant_memory_s") if k in d}
         return cls(levels=tuple(levels), **kw)
 
 

@@ -147,7 +147,9 @@ class RequestSpec:
     request's priority and deadline are checked: a bad value raises RequestError naming it.
     `deadline_ms` / `deadline_kind` left None take the queue level's defaults; `arrival_time`
     (engine clock) left None is when the engine takes the request. `auto_max_tokens` set (for a
-    caller that gave no limit): max_tokens becomes the room the context leaves, up to that many."""
+    caller that gave no limit): max_tokens becomes the room the context leaves, up to that many.
+    `tenant` names who sent it (the OpenAI `user` field): a level's service is shared fairly
+    between tenants."""
 
     params: SamplingParams
     prompt: str | list[int] | None = None  # text, or token ids
@@ -158,9 +160,13 @@ class RequestSpec:
     deadline_kind: DeadlineKind | None = None
     auto_max_tokens: int | None = None
     arrival_time: float | None = None
+    tenant: str | None = None
 
     def __post_init__(self) -> None:
         check_priority(self.priority)
+        t = self.tenant
+        if t is not None and (not isinstance(t, str) or not 0 < len(t) <= 256):
+            raise RequestError("user", f"must be a string of 1 to 256 characters, got {t!r}")
         d = self.deadline_ms
         if d is not None and (not isinstance(d, (int, float)) or isinstance(d, bool) or not 0 < d < math.inf):
             raise RequestError("deadline_ms", f"must be a positive number, got {d!r}")

@@ -41,7 +41,7 @@ def test_full_running_set_gives_its_seat_to_the_urgent_request(make_fake_engine)
     batch = eng.executor.batches[-1]
     assert "hi" in {s.request_id for s in batch.seqs} and len(batch.seqs) == 4  # joined at the next step
     st = eng.scheduler.waiting.stats(0.03)
-    assert st.preemptions == {"priority": 1, "memory": 0} and st.recomputed_tokens == 0
+    assert st.preemptions == {"priority": 1, "fairness": 0, "memory": 0} and st.recomputed_tokens == 0
     (victim,) = eng.scheduler.parked.values()
     assert victim.request_id == "low3" and victim.num_computed_tokens > 0  # the latest-arrived low one
     outs, _ = run_to_end(eng, 0.04)

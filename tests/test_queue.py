@@ -1,6 +1,7 @@
 """The admission queue on its own and through the engine: ordering, caps, overflow
 policies, the urgent lane, remove-by-id, config, metrics, scale. Virtual time only."""
 import argparse
+import math
 import random
 
 import pytest
@@ -30,17 +31,20 @@ def aged(r, now, after_ms):
     return after_ms is not None and (now - r.arrival_time) * 1000 > after_ms
 
 
-def spec_key(r, levels):
+def spec_key(r, levels, served=None):
     """The queue's comparator: aged requests first, then higher levels; within a level the urgent
-    lane, then priority (higher first), then the earlier deadline, then arrival_time."""
+    lane, then priority (higher first), then the tenant served least, then the earlier
+    deadline, then arrival_time."""
     rank = sorted(levels, key=lambda lv: -max(lv.priorities)).index(next(lv for lv in levels if r.priority in lv.priorities))
-    return (-1 if r.aged else rank, not r.urgent, -r.priority, r.deadline or float("inf"), r.arrival_time)
+    vtc = (served or {}).get((r.level, r.tenant), 0.0)
+    return (-1 if r.aged else rank, not r.urgent, -r.priority, vtc, r.deadline or float("inf"), r.arrival_time)
 
 
 # --- ordering -----------------------------------------------------------------------------
 ops = st.lists(st.one_of(
     st.tuples(st.just("push"), st.integers(0, 10), st.floats(0, 10), st.booleans(),
-              st.one_of(st.none(), st.floats(1, 5000))),
+              st.one_of(st.none(), st.floats(1, 5000)), st.sampled_from([None, "a", "b"])),
+    st.tuples(st.just("credit"), st.integers(0, 200), st.integers(1, 50)),
     st.tuples(st.just("pop")),
     st.tuples(st.just("remove"), st.integers(0, 200)),
     st.tuples(st.just("refresh"), st.floats(0, 2)),
@@ -58,16 +62,20 @@ def test_order_is_the_spec_comparator(ops, after_ms, split):
     now, n = 0.0, 0
     for op in ops:
         if op[0] == "push":
-            r = req(n, op[1], op[2], urgent=op[3], deadline_ms=op[4], deadline_kind="soft")
+            r = req(n, op[1], op[2], urgent=op[3], deadline_ms=op[4], deadline_kind="soft", tenant=op[5])
             q.push(r)
             r.urgent_given = op[3]
             model[r.request_id], order[r.request_id] = r, n
             n += 1
         elif op[0] == "pop" and model:
-            expect = min(model.values(), key=lambda r: (*spec_key(r, levels), order[r.request_id]))
+            expect = min(model.values(), key=lambda r: (*spec_key(r, levels, q.served), order[r.request_id]))
             got = q.pop()
             assert got is expect
             del model[got.request_id]
+        elif op[0] == "credit" and str(op[1]) in model:
+            before = q.tenant_service(now)
+            q.credit(model[str(op[1])], op[2], now)
+            assert sum(q.tenant_service(now).values()) == pytest.approx(sum(before.values()) + op[2])
         elif op[0] == "remove":
             rid = str(op[1])
             assert (q.remove(rid) is not None) == (rid in model)
@@ -85,7 +93,7 @@ def test_order_is_the_spec_comparator(ops, after_ms, split):
                 assert r.urgent == (r.urgent_given or r.aged)
         assert len(q) == len(model)
         assert all(rid in q for rid in model)
-    expect = sorted(model.values(), key=lambda r: (*spec_key(r, levels), order[r.request_id]))
+    expect = sorted(model.values(), key=lambda r: (*spec_key(r, levels, q.served), order[r.request_id]))
     assert list(q) == expect
     assert [q.pop() for _ in range(len(q))] == expect
     assert q.peek() is None
@@ -100,6 +108,29 @@ def test_urgent_first_then_priority_then_arrival_across_levels():
     assert [r.request_id for r in q] == ["lo-old", "hi-early", "hi-late", "mid"]
     assert q.stats(0.9).promotions == {"wait": 1, "slack": 0}
     assert q.stats(0.9).levels["low"].urgent_length == 1
+
+
+def test_tenants_share_a_level_by_recent_service():
+    q = AdmissionQueue(QueueConfig(tenant_memory_s=10.0))
+    for i in range(4):
+        q.push(req(f"a{i}", arrival=0.1 * i, tenant="a"))
+    q.push(req("b0", arrival=0.5, tenant="b"))
+    a0 = q.pop()
+    assert a0.request_id == "a0"  # equal counters: arrival order
+    q.credit(a0, 10, now=1.0)  # a0 ran and was served 10 tokens
+    b0 = q.pop()
+    assert b0.request_id == "b0"  # b, served less, goes before a's earlier requests
+    q.credit(b0, 3, now=1.0)
+    assert [r.request_id for r in q] == ["a1", "a2", "a3"]
+    q.push(req("b1", arrival=2.0, tenant="b"))
+    assert q.peek().request_id == "b1"
+    svc = q.tenant_service(11.0)  # ten seconds later: e^-1 of it still counts
+    assert svc[("default", "a")] == pytest.approx(10 / math.e) and svc[("default", "b")] == pytest.approx(3 / math.e)
+    q.credit(b0, 20, now=11.0)  # b's new service outweighs a's decayed past
+    assert [r.request_id for r in q] == ["a1", "a2", "a3", "b1"]
+    q.credit(a0, 1, now=1e5)  # far later: the counters are rescaled, the order still follows them
+    assert q.tenant_service(1e5)[("default", "a")] == pytest.approx(1.0)
+    assert q.peek().request_id == "b1"
 
 
 # --- caps and overflow --------------------------------------------------------------------
@@ -236,7 +267,7 @@ def test_hundred_thousand_requests_scale():
                 out.append(q.pop())
         now += 0.05
     assert len(out) == n - n // 10
-    assert len(q._heap) <= 2 * len(q) + 1024 and len(q._checks) <= 2 * len(q) + 1024
+    assert q._num_entries <= 2 * len(q) + 1024 and len(q._heads) <= 2 * len(q) + 1024 and len(q._checks) <= 2 * len(q) + 1024
     keys = [spec_key(r, THREE) for r in out[:1000]]
     assert keys == sorted(keys)
 

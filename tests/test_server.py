@@ -219,8 +219,9 @@ def scrape(server) -> dict[tuple[str, tuple], float]:
 def test_metrics_show_what_the_test_did(server) -> None:
     before = scrape(server)
     prompt = "One two three four"
-    for _ in range(2):
-        r = post(server, {"model": MODEL, "prompt": prompt, "max_tokens": 5, "ignore_eos": True, "temperature": 0})
+    for user in (None, "alice"):
+        r = post(server, {"model": MODEL, "prompt": prompt, "max_tokens": 5, "ignore_eos": True, "temperature": 0,
+                          **({"user": user} if user else {})})
         assert r.json()["usage"]["completion_tokens"] == 5
     n_prompt = r.json()["usage"]["prompt_tokens"]
     assert post(server, _c(max_tokens="x")).status_code == 400
@@ -246,7 +247,9 @@ def test_metrics_show_what_the_test_did(server) -> None:
     # every token of the two answers was computed once: prompt + 5 each (the last sampled is not fed back)
     assert delta("batchserve:computed_tokens_total", level="default") == 2 * (n_prompt + 4)
     assert delta("batchserve:deadline_wasted_tokens_total", level="default") == 0
-    for reason in ("priority", "memory"):
+    assert delta("batchserve:tenant_requests_total", tenant="alice") == 1
+    assert delta("batchserve:tenant_tokens_total", tenant="alice") == n_prompt + 4
+    for reason in ("priority", "fairness", "memory"):
         assert ("batchserve:preemptions_by_level_total", (("level", "default"), ("reason", reason))) in after
 
 

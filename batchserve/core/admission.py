@@ -218,13 +218,16 @@ class StepBuilder:
 
     def _make_room(self, req: Request, seat: bool = False) -> bool:
         """Preempt the running request that `req` outranks by the priority gap (see
-        `Scheduler.priority_victim`), taking it out of this step's batch if it was in it.
+        `Scheduler.priority_victim`), or else one whose tenant holds more than its share of the
+        level's seats (`Scheduler.fair_victim`), taking it out of this step's batch if it was in it.
         `seat`: only a seat is short, so the victim keeps its KV blocks; otherwise blocks are
         short and it gives them up. False when there is no such request."""
         sched = self.sched
         if not sched.policy.preemptive:
             return False
-        victim = sched.priority_victim(req, self._admitted)
+        victim, reason = sched.priority_victim(req, self._admitted), "priority"
+        if victim is None:
+            victim, reason = sched.fair_victim(req, self.now, self._admitted), "fairness"
         if victim is None:
             return False
         rid = victim.request_id
@@ -237,5 +240,5 @@ class StepBuilder:
                 else:
                     self._stage_start -= 1
                 break
-        sched.preempt(victim, keep_kv=seat, reason="priority")
+        sched.preempt(victim, keep_kv=seat, reason=reason)
         return True

@@ -5,11 +5,22 @@ and one global order:
 
 Higher levels first (levels rank by their highest priority); within a level the urgent lane
 first, then higher priority, then the earlier deadline (none counts as infinitely late), then
-earlier arrival. Urgency by slack stays inside the request's level: a low request about to miss
+earlier arrival — and between tenants (`Request.tenant`) of one level, lane and priority, the
+tenant served the fewest tokens in that level lately first: a virtual token counter as in
+VTC, whose tokens decay with time constant `tenant_memory_s`,
+
+    served(tenant, t) = sum over its served tokens k of  exp(-(t - t_k) / tenant_memory_s)
+
+so a tenant sending more waits for its own backlog, not the others', and one that was idle
+for a while is not owed the past. All counters decay alike, so their order is kept by the
+undecayed sums scaled by exp(t_k / tenant_memory_s) (renormalized now and then). Urgency by slack stays
+inside the request's level: a low request about to miss
 its deadline goes first among the low ones, never ahead of a higher level, so splitting traffic
 into levels cannot cost the most important one. Urgency by wait (aging, `urgent_after_ms`) is
 the one way across levels: an aged request goes ahead of every level, which bounds starvation.
-One heap holds the order. Side heaps, all with lazy deletion, answer the other
+Each tenant's requests are one heap; a heap of the tenants' heads, re-keyed lazily (counters
+only grow, so a head whose key has gone stale is found when it reaches the top), gives the
+order. With one tenant it is one heap and a head. Side heaps, all with lazy deletion, answer the other
 questions in O(log n): the oldest request of a level (drop_oldest), the oldest non-urgent
 request (promotion by wait), and the next request whose deadline needs a look (promotion by
 slack, hard-deadline misses). Nothing here reads the clock: `offer` and `refresh` take `now`.
@@ -29,6 +40,9 @@ from batchserve.request import OverloadedError, Request
 #  arrival_time, push token, request)
 _Entry = tuple[int, int, int, float, float, int, Request]
 _AGED = -1
+_TenantKey = tuple[str, object]  # (level name, tenant)
+# a tenant's head: (rank, lane, -priority, tenant's counter, deadline, arrival, push token, tenant key)
+_Head = tuple[int, int, int, float, float, float, int, _TenantKey]
 _Side = tuple[float, int, Request]  # (time key, push token, request)
 
 
@@ -47,7 +61,13 @@ class AdmissionQueue:
         self._level_of = {p: lv for lv in self.config.levels for p in lv.priorities}
         ranked = sorted(self.config.levels, key=lambda lv: -max(lv.priorities))
         self._rank = {lv.name: i for i, lv in enumerate(ranked)}
-        self._heap: list[_Entry] = []
+        self._tq: dict[_TenantKey, list[_Entry]] = {}  # each tenant's queued requests
+        self._heads: list[_Head] = []  # tenants by their best request; stale entries re-keyed lazily
+        self._head_of: dict[_TenantKey, _Head] = {}  # each tenant's current head entry
+        self._num_entries = 0  # entries in the tenant heaps, live or not
+        self.served: dict[_TenantKey, float] = {}  # the tenants' counters, scaled by exp(-_epoch / memory)
+        self._epoch = 0.0  # the time the counters are scaled to
+        self.fair = False  # a request naming a tenant has been queued: the scheduler credits tokens
         self._live: dict[str, _Entry] = {}  # request id -> its current heap entry
         self._count = {name: 0 for name in self.levels}
         self._urgent = {name: 0 for name in self.levels}
@@ -66,17 +86,55 @@ class AdmissionQueue:
 
     def __iter__(self) -> Iterator[Request]:
         """Queued requests in scheduling order (a sorted copy: O(n log n), for inspection)."""
-        return iter([e[-1] for e in sorted(self._live.values())])
+        served = self.served
+        return iter([e[-1] for e in sorted(self._live.values(), key=lambda e: (
+            e[0], e[1], e[2], served.get((e[-1].level, e[-1].tenant), 0.0), e[3], e[4], e[5]))])
 
     def peek(self) -> Request | None:
-        self._clean_top()
-        return self._heap[0][-1] if self._heap else None
+        heads, live, head_of = self._heads, self._live, self._head_of
+        while heads:
+            h = heads[0]
+            tk = h[7]
+            if head_of.get(tk) is not h:  # a tenant's older head, replaced by a better one since
+                heapq.heappop(heads)
+                continue
+            q = self._tq[tk]
+            while q and live.get(q[0][-1].request_id) is not q[0]:
+                heapq.heappop(q)  # left the queue (admitted, ended, or promoted: a newer entry)
+                self._num_entries -= 1
+            if not q:
+                heapq.heappop(heads)
+                del head_of[tk], self._tq[tk]
+                continue
+            e = q[0]
+            key = (e[0], e[1], e[2], self.served.get(tk, 0.0), e[3], e[4], e[5], tk)
+            if key == h:
+                return e[-1]
+            head_of[tk] = key  # its counter grew, or its best request left: re-key
+            heapq.heapreplace(heads, key)
+        return None
 
     def pop(self) -> Request:
-        self._clean_top()
-        req = heapq.heappop(self._heap)[-1]
+        req = self.peek()
+        if req is None:
+            raise IndexError("pop from an empty queue")
         self._forget(req)
         return req
+
+    def credit(self, req: Request, tokens: int, now: float) -> None:
+        """The scheduler served `tokens` of `req` in the step that ended at `now`."""
+        x = (now - self._epoch) / self.config.tenant_memory_s
+        if x > 300:  # keep the scaled counters finite: rescale to now and re-key every head
+            self.served = {k: v * math.exp(-x) for k, v in self.served.items()}
+            self._epoch, x = now, 0.0
+            self._rebuild()
+        tk = (req.level, req.tenant)
+        self.served[tk] = self.served.get(tk, 0.0) + tokens * math.exp(x)
+
+    def tenant_service(self, now: float) -> dict[_TenantKey, float]:
+        """Each tenant's decayed service (tokens) at `now`, by (level, tenant)."""
+        f = math.exp(-(now - self._epoch) / self.config.tenant_memory_s)
+        return {k: v * f for k, v in self.served.items()}
 
     def remove(self, request_id: str) -> Request | None:
         """Take a request out wherever it is (admission, abort, deadline); heap entries die lazily."""
@@ -96,7 +154,10 @@ class AdmissionQueue:
         tok = next(self._tokens)
         entry = self._entry(req, tok)
         self._live[req.request_id] = entry
-        heapq.heappush(self._heap, entry)
+        tk = (level.name, req.tenant)
+        if req.tenant is not None:
+            self.fair = True
+        self._push_entry(entry, tk)
         heapq.heappush(self._oldest[level.name], (req.arrival_time, tok, req))
         self._count[level.name] += 1
         if req.urgent:
@@ -214,7 +275,7 @@ class AdmissionQueue:
         req.aged = req.aged or reason == "wait"
         entry = self._entry(req, old[5])
         self._live[req.request_id] = entry
-        heapq.heappush(self._heap, entry)
+        self._push_entry(entry, (req.level, req.tenant))
         self.metrics.on_promote(req.level, reason)
 
     # --- metrics ---------------------------------------------------------------------------
@@ -241,10 +302,21 @@ class AdmissionQueue:
             self._urgent[req.level] -= 1
         self._maybe_compact()
 
-    def _clean_top(self) -> None:
-        heap = self._heap
-        while heap and self._live.get(heap[0][-1].request_id) is not heap[0]:
-            heapq.heappop(heap)
+    def _rebuild(self) -> None:
+        """The tenant heaps and heads anew from the live entries."""
+        self._tq, self._heads, self._head_of, self._num_entries = {}, [], {}, 0
+        for e in self._live.values():
+            self._push_entry(e, (e[-1].level, e[-1].tenant))
+
+    def _push_entry(self, e: _Entry, tk: _TenantKey) -> None:
+        """Into its tenant's heap; a new head entry when it may be the tenant's best."""
+        heapq.heappush(self._tq.setdefault(tk, []), e)
+        self._num_entries += 1
+        key = (e[0], e[1], e[2], self.served.get(tk, 0.0), e[3], e[4], e[5], tk)
+        cur = self._head_of.get(tk)
+        if cur is None or key < cur:
+            self._head_of[tk] = key
+            heapq.heappush(self._heads, key)
 
     def _oldest_of(self, level: str) -> Request | None:
         h = self._oldest[level]
@@ -256,9 +328,8 @@ class AdmissionQueue:
         """Drop dead entries once they outnumber live ones: keeps memory O(n) and the
         amortized cost per operation O(log n)."""
         bound = 2 * len(self._live) + 1024
-        if len(self._heap) > bound:
-            self._heap = list(self._live.values())
-            heapq.heapify(self._heap)
+        if self._num_entries > bound or len(self._heads) > bound:
+            self._rebuild()
         for side in (self._by_arrival, self._checks, *self._oldest.values()):
             if len(side) > bound:
                 side[:] = [e for e in side if self._valid(e[2], e[1])]

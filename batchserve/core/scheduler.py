@@ -194,12 +194,15 @@ class Scheduler:
         requests, sampled = self.requests, output.sampled
         commit = self.kv.commit if self.kv.prefix_caching else None  # a no-op without prefix caching
         after_step = self.deadlines.after_step
+        credit = self.waiting.credit if self.waiting.fair else None  # tenants' service, for fairness
         for seq in batch.seqs:
             rid = seq.request_id
             req = requests.get(rid)
             if req is None or req.status is not _RUNNING:
                 continue  # aborted or finished while the step ran
             req.work_tokens += len(seq.token_ids)
+            if credit is not None:
+                credit(req, len(seq.token_ids), now)
             if req.deadline_ms is not None:
                 miss = after_step(req, now)
                 if miss is not None:  # a result past a hard deadline is a failure
@@ -266,6 +269,29 @@ class Scheduler:
                 return victim
         return None
 
+    def fair_victim(self, req: Request, now: float, exclude: set[str] | frozenset = frozenset()) -> Request | None:
+        """The running request `req` may preempt so that the tenant served least goes first,
+        for seats as in the queue: one of the same level and no higher priority, whose tenant's
+        counter exceeds that of `req`'s tenant by more than the victim's own length (so the
+        two cannot trade places back and forth), preempted fewer than `max_preemptions` times;
+        of the tenant served most, its latest arrival. None when tenants are not in use."""
+        if not self.waiting.fair or not self.config.preempt_gap:
+            return None
+        served, level, cap = self.waiting.tenant_service(now), req.level, self.config.max_preemptions
+        mine = served.get((level, req.tenant), 0.0)
+        best, best_key = None, None
+        for r in self.running:
+            if r.level != level or r.tenant == req.tenant or r.priority > req.priority:
+                continue
+            theirs = served.get((level, r.tenant), 0.0)
+            if theirs - mine <= r.num_prompt_tokens + r.max_tokens or r.num_priority_preemptions >= cap \
+                    or r.request_id in exclude or r.status is not _RUNNING:
+                continue
+            key = (theirs, r.arrival_time)
+            if best_key is None or key > best_key:
+                best, best_key = r, key
+        return best
+
     def preempt(self, req: Request, keep_kv: bool = False, reason: str = "memory") -> None:
         """Take a running request back to the waiting queue, where it keeps its place.
         `keep_kv`: it keeps its blocks and computed tokens and later resumes where it stopped
@@ -280,7 +306,7 @@ class Scheduler:
             recomputed, req.num_computed_tokens = req.num_computed_tokens, 0
         req.set_status(RequestStatus.PREEMPTED)
         req.num_preemptions += 1
-        if reason == "priority":
+        if reason != "memory":
             req.num_priority_preemptions += 1
         self.num_preemptions += 1
         self.waiting.metrics.on_preempt(req.level, reason, recomputed)

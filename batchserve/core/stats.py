@@ -20,11 +20,14 @@ QueueStats
     finished            requests that ended for any reason after entering the queue
     timeout_rate        deadline_misses (both kinds) / finished
     preemptions         dict reason -> count: "priority" (made room for a more important
-                        request), "memory" (KV blocks ran out)
+                        request), "fairness" (for a tenant holding fewer of its level's seats),
+                        "memory" (KV blocks ran out)
     recomputed_tokens   tokens whose KV was dropped by a preemption and must be computed again
     computed_tokens     tokens the model computed for requests that have finished
     deadline_wasted_tokens
                         of those, the tokens of requests that then ended with `deadline`
+    tenants             dict tenant -> (finished requests, computed tokens), for requests that
+                        named one (the first MAX_TENANTS seen; later ones count as "other")
 LevelStats
     name, length, urgent_length, oldest_wait_ms, wait_p50_ms, wait_p99_ms, wait_mean_ms,
     rejected, dropped, promotions, finished, deadline_misses (dict), timeout_rate,
@@ -63,7 +66,7 @@ class LevelStats:
     finished: int = 0
     deadline_misses: dict[str, int] = field(default_factory=lambda: {"hard": 0, "soft": 0})
     timeout_rate: float = 0.0
-    preemptions: dict[str, int] = field(default_factory=lambda: {"priority": 0, "memory": 0})
+    preemptions: dict[str, int] = field(default_factory=lambda: {"priority": 0, "fairness": 0, "memory": 0})
     recomputed_tokens: int = 0
     computed_tokens: int = 0
     deadline_wasted_tokens: int = 0
@@ -84,10 +87,14 @@ class QueueStats:
     truncated: int = 0
     finished: int = 0
     timeout_rate: float = 0.0
-    preemptions: dict[str, int] = field(default_factory=lambda: {"priority": 0, "memory": 0})
+    preemptions: dict[str, int] = field(default_factory=lambda: {"priority": 0, "fairness": 0, "memory": 0})
     recomputed_tokens: int = 0
     computed_tokens: int = 0
     deadline_wasted_tokens: int = 0
+    tenants: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+MAX_TENANTS = 1000  # tenants counted by name; the rest share "other" (bounded label cardinality)
 
 
 class _LevelCounters:
@@ -100,7 +107,7 @@ class _LevelCounters:
         self.misses = {"hard": 0, "soft": 0}
         self.num_waits = 0
         self.p50, self.p50_at = 0.0, 0
-        self.preemptions = {"priority": 0, "memory": 0}
+        self.preemptions = {"priority": 0, "fairness": 0, "memory": 0}
         self.recomputed = 0
         self.computed = 0
         self.wasted = 0
@@ -115,6 +122,7 @@ class QueueMetrics:
         self._all_waits: deque[float] = deque(maxlen=window)
         self.promotions = {"wait": 0, "slack": 0}
         self.truncated = 0
+        self.tenants: dict[str, list[int]] = {}  # tenant -> [finished requests, computed tokens]
 
     def _level(self, name: str | None) -> _LevelCounters:
         return self._lv[name] if name in self._lv else next(iter(self._lv.values()))
@@ -159,6 +167,12 @@ class QueueMetrics:
         lv = self._level(req.level)
         lv.finished += 1
         lv.computed += req.work_tokens
+        if req.tenant is not None:
+            t = self.tenants.get(req.tenant)
+            if t is None:
+                t = self.tenants.setdefault(req.tenant if len(self.tenants) < MAX_TENANTS else "other", [0, 0])
+            t[0] += 1
+            t[1] += req.work_tokens
         if req.status == RequestStatus.FINISHED_DEADLINE:
             lv.misses["hard" if req.hard_deadline else "soft"] += 1
             lv.wasted += req.work_tokens
@@ -193,10 +207,11 @@ class QueueMetrics:
             dropped=sum(lv.dropped for lv in levels.values()), promotions=dict(self.promotions),
             deadline_misses=misses, truncated=self.truncated, finished=finished,
             timeout_rate=sum(misses.values()) / finished if finished else 0.0,
-            preemptions={k: sum(lv.preemptions[k] for lv in levels.values()) for k in ("priority", "memory")},
+            preemptions={k: sum(lv.preemptions[k] for lv in levels.values()) for k in ("priority", "fairness", "memory")},
             recomputed_tokens=sum(lv.recomputed_tokens for lv in levels.values()),
             computed_tokens=sum(lv.computed_tokens for lv in levels.values()),
-            deadline_wasted_tokens=sum(lv.deadline_wasted_tokens for lv in levels.values()))
+            deadline_wasted_tokens=sum(lv.deadline_wasted_tokens for lv in levels.values()),
+            tenants={k: (v[0], v[1]) for k, v in self.tenants.items()})
 
 
 @dataclass(frozen=True)

@@ -127,6 +127,7 @@ class LLMEngine:
             params = dataclasses.replace(params, max_tokens=max(1, min(spec.auto_max_tokens, room)))
         at = spec.arrival_time if now is None else now
         req = self._new_request(ids, params, at, spec.request_id, spec.priority, spec.deadline_ms, spec.deadline_kind)
+        req.tenant = spec.tenant
         self.scheduler.add(req, req.arrival_time)
         if self.tokenizer is not None:
             self._detok[req.request_id] = DetokState()
@@ -134,9 +135,11 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int] | None, params: SamplingParams, now: float | None = None,
                     request_id: str | None = None, priority: int = DEFAULT_PRIORITY, deadline_ms: float | None = None,
-                    deadline_kind: str | None = None, messages: list[dict] | None = None) -> Request:
+                    deadline_kind: str | None = None, messages: list[dict] | None = None,
+                    tenant: str | None = None) -> Request:
         """`add` with the spec's fields as arguments (offline use, tests, simulators)."""
-        return self.add(RequestSpec(params, prompt, messages, request_id, priority, deadline_ms, deadline_kind), now)
+        return self.add(RequestSpec(params, prompt, messages, request_id, priority, deadline_ms, deadline_kind,
+                                    tenant=tenant), now)
 
     def add_prefilled(self, prompt_ids: list[int], first_token: int, kv: Any, params: SamplingParams,
                       now: float | None = None, request_id: str | None = None, priority: int = DEFAULT_PRIORITY,

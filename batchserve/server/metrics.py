@@ -75,6 +75,16 @@ def _level_counters(q) -> Iterator[Metric]:
         fams["deadline_wasted_tokens"].add_metric([name], lv.deadline_wasted_tokens)
     yield pre
     yield from fams.values()
+    if q.tenants:
+        reqs = CounterMetricFamily("batchserve:tenant_requests", "Finished requests, by tenant (the request's "
+                                   "`user`)", labels=["tenant"])
+        toks = CounterMetricFamily("batchserve:tenant_tokens", "Tokens computed for finished requests, by tenant",
+                                   labels=["tenant"])
+        for tenant, (n, tokens) in sorted(q.tenants.items()):
+            reqs.add_metric([tenant], n)
+            toks.add_metric([tenant], tokens)
+        yield reqs
+        yield toks
 
 
 class ServerMetrics:

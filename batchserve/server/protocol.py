@@ -199,7 +199,8 @@ def parse_generation(body: dict[str, Any], chat: bool, default_max_tokens: int =
             ignore_eos=bool(_bool(body, "ignore_eos")))
         spec = RequestSpec(params, prompt, messages, priority=DEFAULT_PRIORITY if priority is None else priority,
                            deadline_ms=body.get("deadline_ms"), deadline_kind=body.get("deadline_kind"),
-                           auto_max_tokens=default_max_tokens if chat and max_tokens is None else None)
+                           auto_max_tokens=default_max_tokens if chat and max_tokens is None else None,
+                           tenant=body.get("user"))
     except RequestError as e:
         raise bad(e.param, e.message) from None
     return GenerationRequest(chat=chat, model=model, spec=spec, stream=stream, include_usage=include_usage)
