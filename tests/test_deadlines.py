@@ -133,8 +133,9 @@ def test_hard_deadline_passed_ends_it_even_with_no_prediction(make_fake_engine):
 
 
 def test_hard_deadline_while_running_by_prediction(make_fake_engine):
-    """The batch grows after admission, so steps slow down: the model sees it and ends the
-    request before its deadline, freeing its blocks while the others run on."""
+    """More important requests join after it, so steps slow down (a step ceiling only holds
+    back the less important and equals): the model sees it and ends the request before its
+    deadline, freeing its blocks while the others run on."""
     eng = make_fake_engine(num_blocks=256, executor=LoadedExecutor(256))
     warm_up(eng, n=4)
     t0 = eng.clock.now()
@@ -143,7 +144,8 @@ def test_hard_deadline_while_running_by_prediction(make_fake_engine):
     eng.clock.set(t0 + eng.executor.step_time)
     assert "target" in eng.scheduler.requests
     for i in range(10):
-        eng.add_request([1, 2, 3], SamplingParams(max_tokens=40), now=eng.clock.now(), request_id=f"crowd{i}")
+        eng.add_request([1, 2, 3], SamplingParams(max_tokens=40), now=eng.clock.now(), request_id=f"crowd{i}",
+                        priority=7)
     done = {}
     while "target" not in done:
         held = len(eng.kv.block_table("target"))

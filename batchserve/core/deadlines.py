@@ -10,10 +10,11 @@ finish, one step early, so the shortened answer arrives by the deadline with fin
 `deadline_truncated`. A soft request whose deadline passes before it has a token ends with
 finish reason `deadline` (an error saying so), never with silence.
 
-Every prediction is the latency model's, scaled by how much slower the recent measured
-steps were than it predicts for batches of their size (`slowdown`, never below 1): under load
-the steps a request shares carry other requests' prompt tokens, which a decode-only prediction
-leaves out. Before the model is fitted, the recent measured step stands in for every step.
+Predictions come from the latency model; before it is fitted, the recent measured step
+(`recent_step`) stands in for every step. A running request with two or more tokens out is
+also judged by its own measured time per token, whichever predicts later: under load the
+steps it shares carry other requests' prompt tokens, which a decode-only prediction leaves
+out, and its own rate says so after a few tokens, not at the end.
 
 Step ceilings protect requests that are running from those that join: a running request
 with a hard deadline can afford steps of (time left) / (tokens left), one whose level has a
@@ -29,10 +30,9 @@ All times are passed in.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterator
-
-import math
 
 from batchserve.config import QueueConfig, SchedulerConfig
 from batchserve.core.latency import LatencyModel, service_time, tokens_within
@@ -87,39 +87,35 @@ class DeadlineRules:
         self.latency = latency
         self.prediction_floor = 0.0
         self.recent_step = 0.0  # seconds, an exponential average of the measured steps
-        self.recent_seqs = 0.0  # their sequences, averaged alike
-        self._steps = _Measured(latency, self)
+        self._steps = _WithFallback(latency, self)
         self._tpot = {lv.name: lv.tpot_ms / 1000 for lv in (queue or QueueConfig()).levels if lv.tpot_ms}
         self.ceiling: list[float] = _NO_CEILING  # by priority: the longest step a joining request may make
 
-    def observe_step(self, num_seqs: int, seconds: float) -> None:
-        """A step of `num_seqs` sequences took `seconds`."""
+    def observe_step(self, seconds: float) -> None:
+        """A step of the running batch took `seconds`."""
         r = self.recent_step
-        if r == 0.0:
-            self.recent_step, self.recent_seqs = seconds, float(num_seqs)
-        else:
-            self.recent_step = r + _EWMA * (seconds - r)
-            self.recent_seqs += _EWMA * (num_seqs - self.recent_seqs)
+        self.recent_step = seconds if r == 0.0 else r + _EWMA * (seconds - r)
 
     def forget_steps(self) -> None:
-        """Drop the recent-step averages (the steps seen were not representative)."""
-        self.recent_step = self.recent_seqs = 0.0
-        self._steps.refresh()
+        """Drop the recent-step average (the steps seen were not representative)."""
+        self.recent_step = 0.0
 
-    @property
-    def slowdown(self) -> float:
-        """Recent measured steps over the model's prediction for steps of their size (>= 1)."""
-        b = max(1, round(self.recent_seqs))
-        p = self.latency.predict_step(b, b)
-        return max(1.0, self.recent_step / p) if p > 0 else 1.0
+    @staticmethod
+    def own_step(req: Request, now: float) -> float:
+        """The request's measured seconds per output token so far (0.0 before its second)."""
+        n, t = req.num_output_tokens, req.first_token_time
+        return (now - t) / (n - 1) if n >= 2 and t is not None else 0.0
 
-    def service(self, req: Request, num_running: int, joining: bool = False) -> float:
+    def service(self, req: Request, num_running: int, joining: bool = False, now: float | None = None) -> float:
         """Seconds `req` still needs if it ran from now beside `num_running` others (plus
-        itself, when `joining` from the queue), to its max_tokens."""
+        itself, when `joining` from the queue), to its max_tokens; with `now`, no less than
+        its own time per token so far predicts."""
         cfg = self.config
         batch = min(cfg.max_num_seqs, num_running + (1 if joining else 0))
-        return service_time(self._steps, req.num_tokens - req.num_computed_tokens,
-                            req.max_tokens - req.num_output_tokens, batch, cfg.max_num_batched_tokens)
+        left = req.max_tokens - req.num_output_tokens
+        s = service_time(self._steps, req.num_tokens - req.num_computed_tokens, left, batch,
+                         cfg.max_num_batched_tokens)
+        return s if now is None else max(s, left * self.own_step(req, now))
 
     def at_admission(self, req: Request, num_running: int, now: float) -> Miss | None:
         """A new hard-deadline request that cannot make it."""
@@ -132,7 +128,6 @@ class DeadlineRules:
         """Queued and running hard-deadline requests that cannot make it; soft-deadline running
         requests cut to what fits. A generator: each decision is applied before the next is
         made, so later predictions see the running set the earlier ones left."""
-        self._steps.refresh()
         self._watch_predictions(waiting, len(running))
         for req in waiting.refresh(now, lambda r: self.service(r, len(running), joining=True)):
             yield _miss(req, now, self.service(req, len(running), joining=True))
@@ -141,13 +136,13 @@ class DeadlineRules:
         for req in [r for r in running if r.deadline_ms is not None or r.level in tpot]:
             lim = tpot.get(req.level, math.inf)  # type: ignore[arg-type]
             if req.deadline_ms is not None:
-                s = self.service(req, len(running))
+                s = self.service(req, len(running), now=now)
                 if req.hard_deadline:
                     if now + s >= req.deadline:
                         yield _miss(req, now, s)
                         continue
                     lim = min(lim, (req.deadline - now) / (req.max_tokens - req.num_output_tokens + 1))
-                elif now + s + self._steps.predict_step(len(running), len(running)) > req.deadline:
+                elif now + s + self._step(req, len(running), now) > req.deadline:
                     decision = self._truncate(req, len(running), now)
                     yield decision
                     if isinstance(decision, Miss) or decision.finish:
@@ -187,41 +182,40 @@ class DeadlineRules:
         else:
             self.prediction_floor = min(low, probe)
 
+    def _step(self, req: Request, num_running: int, now: float) -> float:
+        """The seconds of one of the running request's next steps."""
+        return max(self._steps.predict_step(num_running, num_running), self.own_step(req, now))
+
     def _truncate(self, req: Request, num_running: int, now: float) -> Decision:
         """The tokens that fit before the deadline, planned to end a step early (at least one
         in all); a request whose deadline has passed with no token yet is a miss."""
         assert req.deadline is not None
         if now >= req.deadline and req.num_output_tokens == 0:
             return _miss(req, now, 0.0)
-        step = self._steps.predict_step(num_running, num_running)
-        fit = tokens_within(self._steps, req.deadline - now - step, req.num_tokens - req.num_computed_tokens,
-                            num_running, self.config.max_num_batched_tokens)
+        step = self._step(req, num_running, now)
+        if req.num_output_tokens:
+            fit = int((req.deadline - now - step) // step) if step > 0 else None
+        else:
+            fit = tokens_within(self._steps, req.deadline - now - step, req.num_tokens - req.num_computed_tokens,
+                                num_running, self.config.max_num_batched_tokens)
         if fit is None:
             return Truncate(req, None, False)
+        fit = max(0, fit)
         cap = max(1, req.num_output_tokens + fit)
         new = cap if cap < req.max_tokens else None
         return Truncate(req, new, req.num_output_tokens >= (req.max_tokens if new is None else new))
 
 
-class _Measured:
-    """The latency model as the deadline rules see it: its predictions times the slowdown the
-    recent steps showed, or the recent step itself while the model predicts nothing. The
-    slowdown is computed at most once per step (after `refresh`), and only when asked for."""
+class _WithFallback:
+    """The latency model as the deadline rules see it: its predictions, or the recent measured
+    step while it predicts nothing (not fitted yet)."""
 
     def __init__(self, model: LatencyModel, rules: DeadlineRules) -> None:
         self.model, self.rules = model, rules
-        self.factor: float | None = None
-
-    def refresh(self) -> None:
-        self.factor = None
 
     def predict_step(self, num_tokens: int, num_seqs: int) -> float:
         p = self.model.predict_step(num_tokens, num_seqs)
-        if p <= 0:
-            return self.rules.recent_step
-        if self.factor is None:
-            self.factor = self.rules.slowdown
-        return p * self.factor
+        return p if p > 0 else self.rules.recent_step
 
     def observe(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
         self.model.observe(num_tokens, num_seqs, seconds)

@@ -188,7 +188,7 @@ class Scheduler:
         that hit EOS / a stop token / their length. Returns every request that changed."""
         if self._scheduled_at is not None:
             self.latency.observe(batch.num_tokens, batch.num_seqs, now - self._scheduled_at)
-            self.deadlines.observe_step(batch.num_seqs, now - self._scheduled_at)
+            self.deadlines.observe_step(now - self._scheduled_at)
             self._scheduled_at = None
         changed: list[Request] = []
         requests, sampled = self.requests, output.sampled

