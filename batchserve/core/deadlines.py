@@ -133,7 +133,8 @@ class DeadlineRules:
             yield _miss(req, now, self.service(req, len(running), joining=True))
         limits: list[float] | None = None
         tpot = self._tpot
-        for req in [r for r in running if r.deadline_ms is not None or r.level in tpot]:
+        for req in [r for r in running if r.deadline_ms is not None or r.level in tpot] if tpot else \
+                [r for r in running if r.deadline_ms is not None]:
             lim = tpot.get(req.level, math.inf)  # type: ignore[arg-type]
             if req.deadline_ms is not None:
                 s = self.service(req, len(running), now=now)

@@ -200,15 +200,16 @@ class Scheduler:
             req = requests.get(rid)
             if req is None or req.status is not _RUNNING:
                 continue  # aborted or finished while the step ran
-            req.work_tokens += len(seq.token_ids)
+            n = len(seq.token_ids)
+            req.work_tokens += n
             if credit is not None:
-                credit(req, len(seq.token_ids), now)
+                credit(req, n, now)
             if req.deadline_ms is not None:
                 miss = after_step(req, now)
                 if miss is not None:  # a result past a hard deadline is a failure
                     self.apply(miss, now)
                     continue
-            req.num_computed_tokens += len(seq.token_ids)
+            req.num_computed_tokens += n
             if commit is not None:
                 commit(req)
             if not seq.sample:
