@@ -109,3 +109,41 @@ def test_levels_protect_high_value_traffic():
     assert hi_l["wait_p99_ms"] * 3 <= hi_f["wait_p99_ms"]
     assert hi_l["timeout_rate"] <= 0.01 and hi_l["refused_or_dropped"] <= 0.01
     assert levels["low"]["served"] >= 0.05  # low pays (waits, drops) but is not shut out
+
+
+def test_the_seed_levels_never_cost_the_high_class():
+    """The same flood through one level and through the seed's three levels: the high class waits
+    no longer with levels, whether or not the low requests carry deadlines tight enough to be
+    promoted by slack (which levels keep inside the low level; tests/test_queue.py); without
+    such deadlines the two layouts schedule alike."""
+    rate = 2 * capacity()
+
+    def high_wait_p99(queue: QueueConfig, low_deadline: float | None) -> float:
+        eng = engine(queue)
+        rng = random.Random(11)
+        t, waits, cls = 0.0, [], {}
+        arrivals = []
+        while t < 2.0:
+            t += rng.expovariate(rate)
+            arrivals.append(t)
+        i, now = 0, 0.0
+        while i < len(arrivals) or eng.has_unfinished:
+            while i < len(arrivals) and arrivals[i] <= now:
+                high = rng.random() < 0.2
+                r = eng.add_request([1] * 16, SamplingParams(max_tokens=4), now=arrivals[i], priority=9 if high else 1,
+                                    deadline_ms=None if high else low_deadline, deadline_kind="soft")
+                cls[r.request_id] = high
+                i += 1
+            for o in eng.step(now=now).outputs:
+                if o.finished and cls[o.request_id] and o.first_scheduled_time is not None:
+                    waits.append(o.first_scheduled_time - o.arrival_time)
+            now += STEP
+        return percentile(waits, 99)
+
+    seed = QueueConfig(levels=tuple(LevelConfig(lv.name, lv.priorities) for lv in LEVELS.levels))
+    one = QueueConfig()
+    for low_deadline in (None, 100.0):
+        a, b = high_wait_p99(one, low_deadline), high_wait_p99(seed, low_deadline)
+        assert b <= a, (low_deadline, a, b)
+        if low_deadline is None:
+            assert a == b

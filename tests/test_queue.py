@@ -110,6 +110,21 @@ def test_urgent_first_then_priority_then_arrival_across_levels():
     assert q.stats(0.9).levels["low"].urgent_length == 1
 
 
+def test_slack_urgency_stays_inside_its_level():
+    """A low request about to miss its deadline goes first among the low ones: ahead of the high
+    class with one level (the seed's comparator), never ahead of a higher level with levels."""
+    def order(levels):
+        q = AdmissionQueue(QueueConfig(levels=levels, urgent_slack_ms=50))
+        q.offer(req("low-old", 1, 0.0), now=0.0)
+        q.offer(req("low-urgent", 1, 0.0, deadline_ms=100, deadline_kind="soft"), now=0.0)
+        q.offer(req("high", 9, 0.01), now=0.01)
+        q.refresh(0.06, no_service)  # slack 40 ms < 50 ms
+        return [r.request_id for r in q]
+
+    assert order((LevelConfig("one"),)) == ["low-urgent", "high", "low-old"]
+    assert order(tuple(LevelConfig(lv.name, lv.priorities) for lv in THREE)) == ["high", "low-urgent", "low-old"]
+
+
 def test_tenants_share_a_level_by_recent_service():
     q = AdmissionQueue(QueueConfig(tenant_memory_s=10.0))
     for i in range(4):
