@@ -166,6 +166,11 @@ def add_simulate_parser(sub: argparse._SubParsersAction, common: argparse.Argume
     g.add_argument("--max-model-len", type=int, default=None, help="override the model's context length")
     g.add_argument("--slo-ms", type=float, default=None, help="E2E target for goodput and --sweep "
                                                                "(default --slo-p99-ms)")
+    g.add_argument("--slo", action="append", default=None, metavar="[CLASS:]KEY=MS,...",
+                   help="SLO targets ttft_ms, tpot_ms, e2e_ms for goodput; CLASS: for one class; repeatable")
+    g.add_argument("--find-max-goodput", action="store_true",
+                   help="search for the highest --rate keeping --target-attainment (from --rate)")
+    g.add_argument("--target-attainment", type=float, default=99.0, help="percent of requests meeting the SLO")
     g.add_argument("--sweep", default=None, metavar="FIELD=V1,V2",
                    help="rate=1,2,4 or a scheduler field (window_ms, max_batch, chunk_size, ...): "
                         "the best setting under the SLO")
