@@ -148,15 +148,22 @@ def cmd_simulate(a: argparse.Namespace) -> int:
 
 def add_simulate_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     """`batchserve simulate`: the real scheduler on a virtual clock over a cost model."""
-    from batchserve.sim.hardware import GPUS, MODELS
+    from batchserve.bench.traces import FORMATS as TRACE_FORMATS
     from batchserve.scenarios import CHOICES
+    from batchserve.sim.hardware import GPUS, MODELS
 
     s = sub.add_parser("simulate", parents=[common], help="simulate a workload: real scheduler, predicted steps")
     g = s.add_argument_group("simulation")
     g.add_argument("--workload", default="chat", help="mix (chat, mixed, short-long, priority-flood) or trace.jsonl")
+    g.add_argument("--trace", default=None, metavar="FILE|SAMPLE", help="replay a trace file or bundled sample "
+                   "(burstgpt, azure-code, azure-conv, mooncake) instead of --workload")
+    g.add_argument("--trace-format", default=None, choices=TRACE_FORMATS, help="the trace's format (default: sniffed)")
+    g.add_argument("--time-scale", type=float, default=None,
+                   help="multiply the trace's timestamps (0.1: ten times faster); instead of --rate")
     g.add_argument("--requests", type=int, default=None, help="requests in the workload (default 1000)")
     g.add_argument("--rate", type=float, default=10.0, help="mean arrival rate, requests/s")
-    g.add_argument("--arrival", default="poisson", help="poisson | gamma | step | ramp | onoff | replay")
+    g.add_argument("--arrival", default=None, help="poisson | gamma | step | ramp | piecewise | onoff | replay "
+                   "(default: poisson, or replay for a trace)")
     g.add_argument("--burstiness", type=float, default=None, help="gamma arrivals: CV^2 of the gaps")
     g.add_argument("--arrival-args", default=None, help='JSON of more arrival parameters, e.g. \'{"step_s": 5}\'')
     g.add_argument("--scale", type=float, default=None, help="multiply every length of the mix")

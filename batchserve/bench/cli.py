@@ -24,6 +24,8 @@ from batchserve.bench.client import ClientConfig, run
 from batchserve.bench.metrics import SLO, parse_slo_args, summarize
 from batchserve.bench.report import RateRun, compare_reports, markdown_table, write_report
 from batchserve.bench.search import find_max_rate, search_line
+from batchserve.bench.traces import FORMATS as TRACE_FORMATS
+from batchserve.bench.traces import SAMPLES as TRACE_SAMPLES
 from batchserve.bench.workload import MIXES, class_slos, make_workload, mix_classes
 
 
@@ -32,11 +34,16 @@ def add_bench_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     b = sub.add_parser("bench", parents=parents, help="load-test an OpenAI-compatible server; reports and plots",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     b.add_argument("--url", help="server base URL, e.g. http://127.0.0.1:8000")
-    b.add_argument("--workload", default="chat", help=f"a mix {sorted(MIXES)} or a JSONL trace file")
+    b.add_argument("--workload", default="chat", help=f"a mix {sorted(MIXES)}, or a trace file (as --trace)")
+    b.add_argument("--trace", default=None, metavar="FILE|SAMPLE", help="replay a trace file or bundled sample "
+                   "(burstgpt, azure-code, azure-conv, mooncake) instead of --workload")
+    b.add_argument("--trace-format", default=None, choices=TRACE_FORMATS, help="the trace's format (default: sniffed)")
+    b.add_argument("--time-scale", type=float, default=None,
+                   help="multiply the trace's timestamps (0.1: ten times faster); instead of --rates")
     b.add_argument("--requests", type=int, default=100, help="requests per rate (0: the whole trace)")
     b.add_argument("--rates", default=None, help="comma-separated request rates (req/s) to sweep "
                    "(default 1; for a trace: its own timing)")
-    b.add_argument("--arrival", default=None, help="poisson | gamma | step | ramp | onoff | replay "
+    b.add_argument("--arrival", default=None, help="poisson | gamma | step | ramp | piecewise | onoff | replay "
                    "(default: poisson, or replay for a trace)")
     b.add_argument("--burstiness", type=float, default=None, help="gamma arrivals: CV^2 of the gaps")
     b.add_argument("--arrival-args", default=None, help='JSON of more arrival parameters, e.g. \'{"step_s": 5}\'')
@@ -95,12 +102,14 @@ def run_sweep(cfg: ClientConfig, workload: str, requests: int, rates: list[float
               label: str, seed: int = 0, arrival: str | None = None, arrival_kwargs: dict[str, Any] | None = None,
               scale: float | None = None, tokenizer: Any = None, slo_ms: float | None = None,
               slo: SLO | None = None, class_slo: dict[str, SLO] | None = None, plot: bool = True,
-              meta: dict[str, Any] | None = None, search_target: float | None = None) -> str:
+              meta: dict[str, Any] | None = None, search_target: float | None = None,
+              trace_format: str | None = None, time_scale: float | None = None) -> str:
     """Run the workload at every rate in turn against cfg.url and write the report in `out`;
     return its summary.json path. Requests of a class are judged by `class_slo` (over the
     workload's own class SLOs) or else `slo`. With `search_target` (attainment in (0, 1]) the
     rates are not swept: `find_max_rate` starts at rates[0], and the report's meta gets the
-    search's probes and answer under "search"."""
+    search's probes and answer under "search". `trace_format` and `time_scale` are
+    make_workload's, for a trace."""
     runs: list[RateRun] = []
     model = cfg.model
     per_class = {**class_slos(mix_classes(workload)), **(class_slo or {})}
@@ -108,7 +117,8 @@ def run_sweep(cfg: ClientConfig, workload: str, requests: int, rates: list[float
     def run_at(rate: float) -> dict[str, Any]:
         nonlocal model
         items = make_workload(workload, requests, rate, seed=seed, arrival=arrival, tokenizer=tokenizer,
-                              scale=scale, **(arrival_kwargs or {}))
+                              scale=scale, trace_format=trace_format, time_scale=time_scale,
+                              **(arrival_kwargs or {}))
         print(f"{label}: {workload} at {rate:g} req/s: {len(items)} requests over {items[-1].arrival:.1f} s",
               file=sys.stderr)
         res = run(items, cfg)
@@ -130,7 +140,8 @@ def run_sweep(cfg: ClientConfig, workload: str, requests: int, rates: list[float
                           "probes": [{"rate": r, "attainment": a} for r, a in found.probes]}
         print(search_line(info["search"]), file=sys.stderr)
     info.update({"label": label, "url": cfg.url, "model": model, "workload": workload, "arrival": arrival,
-                 "arrival_args": arrival_kwargs or {}, "requests": requests, "seed": seed, "scale": scale,
+                 "arrival_args": arrival_kwargs or {}, "trace_format": trace_format, "time_scale": time_scale,
+                 "requests": requests, "seed": seed, "scale": scale,
                  "slo_ms": slo_ms, "slo": slo.targets() if slo else {},
                  "class_slo": {k: v.targets() for k, v in per_class.items()},
                  "created": datetime.datetime.now().isoformat(timespec="seconds"), **(meta or {})})
@@ -139,6 +150,8 @@ def run_sweep(cfg: ClientConfig, workload: str, requests: int, rates: list[float
 
 def sweep(a: argparse.Namespace) -> str:
     """`bench` flags -> run_sweep."""
+    if a.trace:
+        a.workload = a.trace
     is_trace = a.workload not in MIXES
     rates = [float(r) for r in a.rates.split(",")] if a.rates else [0.0 if is_trace else 1.0]
     slo, class_slo = parse_slo_args(a.slo or [])
@@ -149,7 +162,8 @@ def sweep(a: argparse.Namespace) -> str:
                      arrival=a.arrival, arrival_kwargs=_arrival_kwargs(a), scale=a.scale,
                      tokenizer=load_tokenizer(a.tokenizer) if a.tokenizer else None, slo_ms=a.slo_ms,
                      slo=slo, class_slo=class_slo, plot=not a.no_plots, meta={"tokenizer": a.tokenizer},
-                     search_target=a.target_attainment / 100.0 if a.find_max_goodput else None)
+                     search_target=a.target_attainment / 100.0 if a.find_max_goodput else None,
+                     trace_format=a.trace_format, time_scale=a.time_scale)
 
 
 def check_args(a: argparse.Namespace) -> str | None:
@@ -162,6 +176,10 @@ def check_args(a: argparse.Namespace) -> str | None:
         return f"--target-attainment is a percentage in (0, 100], got {a.target_attainment:g}"
     if a.find_max_goodput and not (a.rates and float(a.rates.split(",")[0]) > 0):
         return "--find-max-goodput needs a starting rate > 0: --rates R"
+    if a.trace and a.trace not in TRACE_SAMPLES and not os.path.isfile(a.trace):
+        return f"--trace {a.trace!r}: no such file, nor a bundled sample {sorted(TRACE_SAMPLES)}"
+    if a.time_scale is not None and (a.rates or a.find_max_goodput or not a.time_scale > 0):
+        return "--time-scale: a positive factor for a trace's own timing, without --rates or --find-max-goodput"
     return None
 
 

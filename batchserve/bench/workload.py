@@ -27,7 +27,8 @@ priority, a deadline and its kind, and an SLO by which `bench.metrics` judges it
 `make_workload` takes a named mix or the classes themselves. Every item carries its class's
 name in `cls`.
 
-A file name replays a JSONL trace, one request a line: `timestamp` (s) , `prompt` (text) or
+A file name (or a bundled sample's name) replays a trace: BurstGPT, Azure and Mooncake
+files are read by `bench.traces`; batchserve's own JSONL has one request a line: `timestamp` (s) , `prompt` (text) or
 `prompt_len`, `max_tokens`, and optionally `priority`, `deadline_ms`, `deadline_kind`, `cls`.
 With arrival None or "replay" the trace's own timestamps are used (shifted to start at 0 and,
 when rate > 0, stretched so the mean rate is `rate`); any other arrival keeps the trace's
@@ -41,18 +42,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-
-from collections.abc import Sequence
 
 import numpy as np
 
 from batchserve.bench.arrivals import make_arrivals
 from batchserve.bench.metrics import SLO
+from batchserve.bench.prompts import ORDINARY_IDS, build_prompt  # noqa: F401 (ORDINARY_IDS: re-exported)
 from batchserve.request import DEFAULT_PRIORITY, DeadlineKind, check_priority
 
-ORDINARY_IDS = (1000, 30000)  # token-id range with no special tokens in common vocabularies
 
 
 @dataclass(frozen=True)
@@ -139,6 +139,7 @@ def lognormal_lengths(rng: np.random.Generator, mean: float, cv: float, size: in
 def make_workload(name_or_file: str | Sequence[RequestClass], n: int, rate: float, seed: int = 0,
                   arrival: str | None = None, tokenizer: Any = None, scale: float | None = None,
                   deadline_scale: float = 1.0, classes: Sequence[RequestClass] | None = None,
+                  trace_format: str | None = None, time_scale: float | None = None,
                   **arrival_kwargs: Any) -> list[WorkItem]:
     """`n` requests of a mix (a name in MIXES, or a sequence of RequestClass) or a trace file,
     at mean `rate` requests/s.
@@ -149,13 +150,27 @@ def make_workload(name_or_file: str | Sequence[RequestClass], n: int, rate: floa
     multiplies every length (None: the mix's default, 1 for classes and traces),
     `deadline_scale` every deadline. `classes`, for a trace only, relabels its requests: each
     is drawn into a class by share and takes its name, priority and deadline (the trace's
-    lengths are kept)."""
+    lengths are kept). A trace is a file, or the name of a sample in `bench.traces.SAMPLES`,
+    in `trace_format` (`bench.traces.FORMATS`; None: sniffed); `time_scale` multiplies its
+    timestamps (instead of stretching them to `rate`)."""
     rng = np.random.default_rng(seed)
     if isinstance(name_or_file, str) and name_or_file not in MIXES:
-        if not os.path.isfile(name_or_file):
-            raise ValueError(f"workload: {name_or_file!r} is neither a mix {sorted(MIXES)} nor a file")
-        items = _from_trace(name_or_file, n, rate, rng, arrival, tokenizer, scale, deadline_scale, arrival_kwargs)
+        from batchserve.bench import traces  # traces builds on this module's WorkItem and prompts
+
+        path = traces.sample_path(name_or_file) if name_or_file in traces.SAMPLES else name_or_file
+        if not os.path.isfile(path):
+            raise ValueError(f"workload: {name_or_file!r} is neither a mix {sorted(MIXES)}, a trace sample "
+                             f"{sorted(traces.SAMPLES)} nor a file")
+        fmt = trace_format or traces.sniff_format(path)
+        if fmt == "jsonl":
+            items = _from_trace(path, n, rate, rng, arrival, tokenizer, scale, deadline_scale, time_scale,
+                                arrival_kwargs)
+        else:
+            items = traces.trace_workload(path, fmt, n, rate, rng, seed=seed, arrival=arrival, tokenizer=tokenizer,
+                                          scale=scale, time_scale=time_scale, arrival_kwargs=arrival_kwargs)
         return assign_classes(items, classes, rng, deadline_scale) if classes else items
+    if trace_format is not None or time_scale is not None:
+        raise ValueError(f"workload: trace_format and time_scale are for traces, and {name_or_file!r} is a mix")
     if classes is not None:
         raise ValueError("workload: `classes` relabels a trace; for a mix pass the classes as the workload")
     if n < 1:
@@ -209,8 +224,10 @@ def assign_classes(items: Sequence[WorkItem], classes: Sequence[RequestClass], r
 
 
 def _from_trace(path: str, n: int, rate: float, rng: np.random.Generator, arrival: str | None,
-                tokenizer: Any, scale: float | None, deadline_scale: float,
+                tokenizer: Any, scale: float | None, deadline_scale: float, time_scale: float | None,
                 arrival_kwargs: dict[str, Any]) -> list[WorkItem]:
+    from batchserve.bench.traces import replay_times
+
     rows = []
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
@@ -224,10 +241,8 @@ def _from_trace(path: str, n: int, rate: float, rng: np.random.Generator, arriva
     if not rows:
         raise ValueError(f"{path}: no requests")
     if arrival in (None, "replay"):
-        ts = np.array([float(r.get("timestamp", r.get("arrival", 0.0))) for r in rows])
-        ts = ts - ts.min()
-        if rate > 0 and ts.max() > 0:  # stretch so that len/span == rate, keeping the shape
-            ts = ts * (len(rows) / ts.max()) / rate
+        ts = replay_times(np.array([float(r.get("timestamp", r.get("arrival", 0.0))) for r in rows]), rate,
+                          time_scale)
     else:
         ts = make_arrivals(arrival, len(rows), rate, rng, **arrival_kwargs)
     s = 1.0 if scale is None else scale
@@ -246,8 +261,8 @@ def _from_trace(path: str, n: int, rate: float, rng: np.random.Generator, arriva
             plen = max(1, round(len(text) / 4))  # rough: about 4 characters a token in English
         dl = r.get("deadline_ms")
         items.append(WorkItem(float(t), plen, text, ids, max(1, round(int(r["max_tokens"]) * s)),
-                              int(r.get("priority", DEFAULT_PRIORITY)), None if dl is None else float(dl) * deadline_scale,
-                              r.get("deadline_kind"), str(r.get("cls", r.get("class", "default")))))
+                              int(r.get("priority", DEFAULT_PRIORITY)),
+                              None if dl is None else float(dl) * deadline_scale, r.get("deadline_kind"), str(r.get("cls", r.get("class", "default")))))
     items.sort(key=lambda w: w.arrival)
     return items
 
@@ -263,44 +278,3 @@ def save_trace(items: list[WorkItem], path: str) -> None:
             if w.deadline_ms is not None:
                 row.update(deadline_ms=w.deadline_ms, deadline_kind=w.deadline_kind)
             f.write(json.dumps(row) + "\n")
-
-
-# --- prompts of an exact token length ------------------------------------------------------
-_WORDS: dict[int, list[str]] = {}  # id(tokenizer) -> words that are one token after a space
-
-
-def _one_token_words(tokenizer: Any) -> list[str]:
-    """Lower-case alphabetic words w such that " w" encodes to a single token. Scanned in id
-    order so the list (and so every prompt) is the same for the same tokenizer."""
-    key = id(tokenizer)
-    if key not in _WORDS:
-        words = []
-        for tid in range(min(len(tokenizer), 20000)):
-            w = tokenizer.decode([tid]).strip()
-            if 3 <= len(w) <= 8 and w.isascii() and w.isalpha() and w.islower() \
-                    and len(tokenizer.encode(" " + w, add_special_tokens=False)) == 1:
-                words.append(w)
-            if len(words) >= 2000:
-                break
-        if len(words) < 50:
-            raise ValueError("tokenizer: too few single-token words to build prompts")
-        _WORDS[key] = words
-    return _WORDS[key]
-
-
-def build_prompt(n_tokens: int, rng: np.random.Generator, tokenizer: Any = None) -> tuple[str | None, list[int] | None]:
-    """(text, None) re-encoding to exactly n_tokens with a tokenizer, else (None, random ids)."""
-    if tokenizer is None:
-        return None, rng.integers(*ORDINARY_IDS, size=n_tokens).tolist()
-    words = _one_token_words(tokenizer)
-    picks = [words[i] for i in rng.integers(0, len(words), size=n_tokens)]
-    text = " " + " ".join(picks)  # leading space: every word is its " word" token
-    for _ in range(8):  # merges across words are rare; trim or pad until exact
-        m = len(tokenizer.encode(text, add_special_tokens=False))
-        if m == n_tokens:
-            return text, None
-        if m > n_tokens:
-            text = text.rsplit(" ", m - n_tokens)[0] if " " in text.strip() else text
-        else:
-            text += " " + " ".join(words[i] for i in rng.integers(0, len(words), size=n_tokens - m))
-    raise ValueError(f"could not build a prompt of exactly {n_tokens} tokens with this tokenizer")

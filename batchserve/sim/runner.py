@@ -168,7 +168,7 @@ def run_cli(a: Any, config: EngineConfig) -> int:
                            **({"kv_cache_gb": kv_gb} if a.profile else {}))
     slo = a.slo_ms if a.slo_ms is not None else config.scheduler.slo_p99_ms
     glob, per = parse_slo_args(a.slo or [])
-    per = {**class_slos(mix_classes(a.workload)), **per}
+    per = {**class_slos(mix_classes(a.trace or a.workload)), **per}
     # an explicit --slo replaces the engine's P99 target as goodput's E2E limit (--sweep still ranks by it)
     limit = None if a.slo and a.slo_ms is None else slo
     if not 0 < a.target_attainment <= 100:
@@ -176,9 +176,10 @@ def run_cli(a: Any, config: EngineConfig) -> int:
     arrival_kw: dict[str, Any] = json.loads(a.arrival_args) if a.arrival_args else {}
     if a.burstiness is not None:
         arrival_kw["burstiness"] = a.burstiness
-    workload = {"name_or_file": a.workload, "n": a.requests or DEFAULT_REQUESTS, "rate": a.rate, "seed": a.seed,
-                "arrival": a.arrival, "scale": a.scale, **arrival_kw}
-    meta = {"label": f"sim {config.scheduler.policy}", "cost": cost.describe(), "workload": a.workload,
+    workload = {"name_or_file": a.trace or a.workload, "n": a.requests or DEFAULT_REQUESTS,
+                "rate": 0.0 if a.time_scale is not None else a.rate, "seed": a.seed, "arrival": a.arrival,
+                "scale": a.scale, "trace_format": a.trace_format, "time_scale": a.time_scale, **arrival_kw}
+    meta = {"label": f"sim {config.scheduler.policy}", "cost": cost.describe(), "workload": workload["name_or_file"],
             "requests": workload["n"], "seed": a.seed, "arrival": a.arrival, "arrival_args": arrival_kw,
             "scale": a.scale, "slo_ms": limit, "slo": glob.targets() if glob else {},
             "class_slo": {k: v.targets() for k, v in per.items()}, "policy": config.scheduler.policy,
@@ -216,7 +217,8 @@ def run_cli(a: Any, config: EngineConfig) -> int:
         return 0
     items = make_workload(**workload)
     res = simulate(config, cost, items, slo_ms=limit, token_times=a.token_times, slo=glob, class_slo=per)
-    print(format_summary(res.summary, f"{a.workload} x {len(items)} at {a.rate:g} req/s, "
+    at = f"time scale {a.time_scale:g}" if a.time_scale is not None else f"{a.rate:g} req/s"
+    print(format_summary(res.summary, f"{workload['name_or_file']} x {len(items)} at {at}, "
                                       f"policy {config.scheduler.policy}, {cost.name}"))
     busy = res.busy_s / max(res.summary["duration_s"], 1e-9)
     print(f"[{res.num_steps} steps, GPU busy {100 * busy:.0f}%, simulated in {res.wall_s:.2f} s]", file=sys.stderr)
