@@ -196,11 +196,13 @@ def cmd_profile(a: argparse.Namespace) -> int:
 
     from batchserve.runner.profiler import TINY_MODEL, report, run_profile, save
 
+    if a.rounds < 1 or a.reps < 1 or not a.knee_gain > 0:
+        raise ValueError("profile: --rounds and --reps must be >= 1 and --knee-gain > 0")
     cfg = engine_config(a)
     if a.quick:  # a tiny random model and a small grid: seconds, for tests and smoke checks
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, model="dummy", dummy_config=TINY_MODEL),
                                   cache=dataclasses.replace(cfg.cache, kv_cache_gb=0.01))
-    prof = run_profile(cfg, quick=a.quick, reps=a.reps)
+    prof = run_profile(cfg, quick=a.quick, reps=a.reps, rounds=a.rounds, min_gain=a.knee_gain)
     save(prof, a.out)
     print(report(prof))
     print(f"saved {a.out}")
@@ -212,7 +214,10 @@ def add_profile_parser(sub: argparse._SubParsersAction, common: argparse.Argumen
     s = sub.add_parser("profile", parents=[common], help="measure step times, fit a latency model (JSON)")
     s.add_argument("--out", default="profile.json", metavar="FILE.json", help="where the profile is written")
     s.add_argument("--quick", action="store_true", help="tiny dummy model, small grid (seconds)")
-    s.add_argument("--reps", type=int, default=3, help="timed repetitions per point (median)")
+    s.add_argument("--reps", type=int, default=3, help="timed repetitions per point and round (median)")
+    s.add_argument("--rounds", type=int, default=3, help="interleaved rounds over all points, each in a new order")
+    s.add_argument("--knee-gain", type=float, default=0.15,
+                   help="knee: the smallest batch no larger batch beats by this fraction of throughput")
     add_engine_args(s)
     s.set_defaults(func=cmd_profile)
 
