@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
 from batchserve.bench import cli as bench_cli
@@ -101,3 +100,18 @@ def test_simulate_reports_goodput_per_class_and_searches(tmp_path, capsys):
     assert s["goodput"]["per_class"]["low"]["slo"] == {"e2e_ms": 4000.0}
     assert main(base + ["--find-max-goodput", "--target-attainment", "90"]) == 0
     assert "max goodput:" in capsys.readouterr().out
+
+
+def test_search_stops_halving_and_flags_noisy_probes():
+    from batchserve.bench.search import inversions, search_line
+
+    res = find_max_rate(lambda r: 0.0, 0.9, 8.0, max_runs=30)  # never passes, never plateaus above 0
+    assert res.best is None and min(r for r, _ in res.probes) == pytest.approx(8.0 / 64)
+    probes = [(2.0, 0.5), (1.0, 0.0), (0.5, 0.3), (0.25, 0.95)]
+    assert inversions(probes) == 2  # 1.0 and 0.5 req/s each did worse than 2.0 by over 10 points
+    line = search_line({"target_attainment": 0.9, "best_rate": 0.25, "bracketed": True, "goodput_rps": 0.2,
+                        "probes": [{"rate": r, "attainment": a} for r, a in probes]})
+    assert "0.25 req/s keeps attainment >= 90%" in line and "WARNING: in 2 pairs" in line
+    clean = [{"rate": r, "attainment": a} for r, a in ((1.0, 1.0), (2.0, 0.95), (4.0, 0.2))]
+    assert "WARNING" not in search_line({"target_attainment": 0.9, "best_rate": 2.0, "bracketed": True,
+                                         "goodput_rps": 1.9, "probes": clean})

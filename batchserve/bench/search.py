@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 PLATEAU = 0.01  # attainment two halvings must gain for the search to keep lowering the rate
+NOISE = 0.10  # a lower rate's attainment this far below a higher rate's is reported as noise
 
 
 @dataclass
@@ -35,10 +36,12 @@ class RateSearch:
 
 
 def find_max_rate(attainment_at: Callable[[float], float], target: float, start: float = 1.0, *,
-                  rel_tol: float = 0.05, max_runs: int = 12, min_rate: float = 1e-3,
+                  rel_tol: float = 0.05, max_runs: int = 12, min_rate: float | None = None,
                   max_rate: float = 1e6) -> RateSearch:
     """Search as the module says; `attainment_at(rate)` runs the workload at `rate` and
-    returns its attainment in [0, 1]; `target` is in [0, 1]."""
+    returns its attainment in [0, 1]; `target` is in [0, 1]. `min_rate` defaults to
+    start / 64: six halvings, since a run of a fixed request count doubles in length with each."""
+    min_rate = start / 64 if min_rate is None else min_rate
     if not 0 < target <= 1:
         raise ValueError(f"target attainment must be in (0, 1], got {target}")
     if not start > 0 or not 0 < min_rate <= start <= max_rate:
@@ -78,12 +81,22 @@ def find_max_rate(attainment_at: Callable[[float], float], target: float, start:
     return res
 
 
+def inversions(probes: list[tuple[float, float]], tol: float = NOISE) -> int:
+    """Pairs of probes where the lower rate's attainment is below the higher rate's by more
+    than `tol`: the search's assumption (attainment falls with rate) broken by noise."""
+    return sum(1 for r1, a1 in probes for r2, a2 in probes if r1 < r2 and a1 < a2 - tol)
+
+
 def search_line(search: dict[str, Any]) -> str:
-    """One sentence: the rate `--find-max-goodput` found and its goodput."""
+    """One sentence: the rate `--find-max-goodput` found and its goodput, and whether its
+    probes contradict each other (then the answer is only as good as the machine was quiet)."""
     pct = f"{100 * search['target_attainment']:g}%"
+    bad = inversions([(p["rate"], p["attainment"]) for p in search["probes"]])
+    noisy = (f"; WARNING: in {bad} pairs of runs a lower rate met the SLO less often by over "
+             f"{NOISE:.0%}: noise, not load, decided some probes") if bad else ""
     if search["best_rate"] is None:
         low = min(p["rate"] for p in search["probes"])
-        return f"max goodput: no rate tried kept attainment >= {pct} (lowest tried {low:g} req/s)"
+        return f"max goodput: no rate tried kept attainment >= {pct} (lowest tried {low:g} req/s){noisy}"
     bound = "" if search["bracketed"] else " (a lower bound: no failing rate was reached)"
     return (f"max goodput: {search['best_rate']:.3g} req/s keeps attainment >= {pct}, goodput "
-            f"{search['goodput_rps']:.3g} req/s{bound}; {len(search['probes'])} runs")
+            f"{search['goodput_rps']:.3g} req/s{bound}; {len(search['probes'])} runs{noisy}")

@@ -54,7 +54,6 @@ from batchserve.bench.prompts import ORDINARY_IDS, build_prompt  # noqa: F401 (O
 from batchserve.request import DEFAULT_PRIORITY, DeadlineKind, check_priority
 
 
-
 @dataclass(frozen=True)
 class WorkItem:
     """One request of a workload. `arrival` is seconds from the start; `cls` labels the
