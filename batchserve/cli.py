@@ -148,15 +148,22 @@ def cmd_simulate(a: argparse.Namespace) -> int:
 
 def add_simulate_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     """`batchserve simulate`: the real scheduler on a virtual clock over a cost model."""
-    from batchserve.sim.hardware import GPUS, MODELS
+    from batchserve.bench.traces import FORMATS as TRACE_FORMATS
     from batchserve.scenarios import CHOICES
+    from batchserve.sim.hardware import GPUS, MODELS
 
     s = sub.add_parser("simulate", parents=[common], help="simulate a workload: real scheduler, predicted steps")
     g = s.add_argument_group("simulation")
     g.add_argument("--workload", default="chat", help="mix (chat, mixed, short-long, priority-flood) or trace.jsonl")
+    g.add_argument("--trace", default=None, metavar="FILE|SAMPLE", help="replay a trace file or bundled sample "
+                   "(burstgpt, azure-code, azure-conv, mooncake) instead of --workload")
+    g.add_argument("--trace-format", default=None, choices=TRACE_FORMATS, help="the trace's format (default: sniffed)")
+    g.add_argument("--time-scale", type=float, default=None,
+                   help="multiply the trace's timestamps (0.1: ten times faster); instead of --rate")
     g.add_argument("--requests", type=int, default=None, help="requests in the workload (default 1000)")
     g.add_argument("--rate", type=float, default=10.0, help="mean arrival rate, requests/s")
-    g.add_argument("--arrival", default="poisson", help="poisson | gamma | step | ramp | onoff | replay")
+    g.add_argument("--arrival", default=None, help="poisson | gamma | step | ramp | piecewise | onoff | replay "
+                   "(default: poisson, or replay for a trace)")
     g.add_argument("--burstiness", type=float, default=None, help="gamma arrivals: CV^2 of the gaps")
     g.add_argument("--arrival-args", default=None, help='JSON of more arrival parameters, e.g. \'{"step_s": 5}\'')
     g.add_argument("--scale", type=float, default=None, help="multiply every length of the mix")
@@ -166,6 +173,11 @@ def add_simulate_parser(sub: argparse._SubParsersAction, common: argparse.Argume
     g.add_argument("--max-model-len", type=int, default=None, help="override the model's context length")
     g.add_argument("--slo-ms", type=float, default=None, help="E2E target for goodput and --sweep "
                                                                "(default --slo-p99-ms)")
+    g.add_argument("--slo", action="append", default=None, metavar="[CLASS:]KEY=MS,...",
+                   help="SLO targets ttft_ms, tpot_ms, e2e_ms for goodput; CLASS: for one class; repeatable")
+    g.add_argument("--find-max-goodput", action="store_true",
+                   help="search for the highest --rate keeping --target-attainment (from --rate)")
+    g.add_argument("--target-attainment", type=float, default=99.0, help="percent of requests meeting the SLO")
     g.add_argument("--sweep", default=None, metavar="FIELD=V1,V2",
                    help="rate=1,2,4 or a scheduler field (window_ms, max_batch, chunk_size, ...): "
                         "the best setting under the SLO")
@@ -184,11 +196,13 @@ def cmd_profile(a: argparse.Namespace) -> int:
 
     from batchserve.runner.profiler import TINY_MODEL, report, run_profile, save
 
+    if a.rounds < 1 or a.reps < 1 or not a.knee_gain > 0:
+        raise ValueError("profile: --rounds and --reps must be >= 1 and --knee-gain > 0")
     cfg = engine_config(a)
     if a.quick:  # a tiny random model and a small grid: seconds, for tests and smoke checks
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, model="dummy", dummy_config=TINY_MODEL),
                                   cache=dataclasses.replace(cfg.cache, kv_cache_gb=0.01))
-    prof = run_profile(cfg, quick=a.quick, reps=a.reps)
+    prof = run_profile(cfg, quick=a.quick, reps=a.reps, rounds=a.rounds, min_gain=a.knee_gain)
     save(prof, a.out)
     print(report(prof))
     print(f"saved {a.out}")
@@ -200,7 +214,10 @@ def add_profile_parser(sub: argparse._SubParsersAction, common: argparse.Argumen
     s = sub.add_parser("profile", parents=[common], help="measure step times, fit a latency model (JSON)")
     s.add_argument("--out", default="profile.json", metavar="FILE.json", help="where the profile is written")
     s.add_argument("--quick", action="store_true", help="tiny dummy model, small grid (seconds)")
-    s.add_argument("--reps", type=int, default=3, help="timed repetitions per point (median)")
+    s.add_argument("--reps", type=int, default=3, help="timed repetitions per point and round (median)")
+    s.add_argument("--rounds", type=int, default=3, help="interleaved rounds over all points, each in a new order")
+    s.add_argument("--knee-gain", type=float, default=0.15,
+                   help="knee: the smallest batch no larger batch beats by this fraction of throughput")
     add_engine_args(s)
     s.set_defaults(func=cmd_profile)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from batchserve.bench.metrics import RequestRecord, percentile, span_s, summarize
+from batchserve.bench.metrics import SLO, RequestRecord, goodput, parse_slo_args, percentile, span_s, summarize
 
 
 def test_percentile_hand_computed():
@@ -83,3 +83,47 @@ def test_summary_edge_cases():
     r = RequestRecord("y", send_time=2.0, end_time=5.0)
     assert span_s([r, RequestRecord("z", send_time=1.0)]) == 4.0
     assert RequestRecord.from_dict(r.to_dict()) == r
+
+
+def test_slo_parse_and_scopes():
+    assert SLO.parse("ttft_ms=500,tpot_ms=50") == SLO(ttft_ms=500.0, tpot_ms=50.0)
+    assert SLO.parse("ttft:300 e2el:2000") == SLO(ttft_ms=300.0, e2e_ms=2000.0)  # vllm's spelling
+    glob, per = parse_slo_args(["e2e_ms=4000", "high:ttft_ms=200", "e2e=5000"])
+    assert glob == SLO(e2e_ms=5000.0) and per == {"high": SLO(ttft_ms=200.0)}  # the last global wins
+    for bad in ("ttft_ms", "latency=3", "ttft_ms=abc", "ttft_ms=-1", ""):
+        with pytest.raises(ValueError):
+            SLO.parse(bad)
+
+
+def _rec(i: int, cls: str, ttft: float, e2e: float, n: int = 5, **kw) -> RequestRecord:
+    """A completed request sent at 0: first token at ttft s, last at e2e s, n tokens."""
+    return RequestRecord(f"r{i}", cls, 5, 0.0, ttft, list(np.linspace(ttft, e2e, n)), e2e, 10, n, 200, "length", **kw)
+
+
+def test_goodput_judges_each_class_by_its_own_slo_and_counts_failures_as_misses():
+    recs = [
+        _rec(0, "high", 0.1, 0.5),            # TTFT 100 ms, TPOT 100 ms, E2E 500 ms
+        _rec(1, "high", 0.3, 0.7),            # TTFT 300: misses high's 200 ms TTFT
+        _rec(2, "low", 0.3, 0.7),             # the same request in low: only E2E <= 1000 counts
+        _rec(3, "low", 0.1, 1.3),             # E2E 1300 > 1000
+        _rec(4, "low", 0.05, 0.05, n=1),      # one token: no TPOT, meets any TPOT target
+        _rec(5, "low", 0.1, 0.4, deadline_ms=300.0),  # meets the SLO, misses its own deadline
+        RequestRecord("r6", "high", 9, 0.0, status=503, error="full", end_time=0.01),
+        RequestRecord("r7", "low", 1, 0.0, status=504, error="deadline", end_time=0.2),
+    ]
+    glob, per = SLO(e2e_ms=1000.0, tpot_ms=150.0), {"high": SLO(ttft_ms=200.0)}
+    g = goodput(recs, 4.0, glob, per)
+    assert (g["n_requests"], g["n_good"]) == (8, 3)  # r0, r2, r4
+    assert g["attainment"] == pytest.approx(3 / 8) and g["goodput_rps"] == pytest.approx(3 / 4)
+    assert g["misses"] == {"deadline": 1, "e2e_ms": 1, "failed": 2, "tpot_ms": 1, "ttft_ms": 1}  # r3 misses two
+    hi, lo = g["per_class"]["high"], g["per_class"]["low"]
+    assert hi["slo"] == {"ttft_ms": 200.0} and lo["slo"] == {"tpot_ms": 150.0, "e2e_ms": 1000.0}
+    assert (hi["n_good"], hi["n_requests"], lo["n_good"], lo["n_requests"]) == (1, 3, 2, 5)
+    assert hi["goodput_rps"] == pytest.approx(0.25) and lo["attainment"] == pytest.approx(0.4)
+    s = summarize(recs, 4.0, slo=glob, class_slo=per)  # the summary's goodput is this function's
+    assert (s["n_good"], s["goodput_frac"], s["goodput"]) == (3, pytest.approx(3 / 8), g)
+    assert s["per_class"]["high"]["n_good"] == 1 and s["per_class"]["low"]["goodput_rps"] == pytest.approx(0.5)
+    # a tighter TPOT: r0 (100 ms a token) now misses too, in every class that is judged by it
+    assert goodput(recs, 4.0, SLO(tpot_ms=90.0))["n_good"] == 1  # r4 alone (r5 late for its deadline)
+    # no SLO at all: every completed request within its deadline is good
+    assert goodput(recs, 4.0)["n_good"] == 5

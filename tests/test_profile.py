@@ -137,3 +137,77 @@ def test_fit_finds_the_row_knee_of_the_matrix_products():
     assert m.predict_step(8, 8) == pytest.approx(step([], [128] * 8), rel=0.02)
     assert m.predict_step(64, 64) == pytest.approx(step([], [128] * 64), rel=0.02)
     assert m.predict_step(64, 64, context=64 * 128) == pytest.approx(m.predict_step(64, 64), rel=1e-6)
+
+
+def _machine(busy_calls: int = 0, slowdown: float = 3.0):
+    """A fake timing function: 10 ms a step up to 16 rows, +0.6 ms a row past it, plus prompt
+    attention; the first `busy_calls` calls run `slowdown` times slower (a busy machine)."""
+    calls: list[tuple] = []
+
+    def time_fn(pre, dec):
+        rows = sum(n for _, n in pre) + len(dec)
+        t = 0.010 + 0.0006 * max(0, rows - 16) + 0.002 * sum(dec) / 1e3 + 0.3 * sum(n * (s + n) for s, n in pre) / 1e6
+        calls.append((tuple(pre), tuple(dec)))
+        return t * (slowdown if len(calls) <= busy_calls else 1.0)
+    return time_fn, calls
+
+
+def test_sweep_is_repeated_and_interleaved():
+    from batchserve.runner.profiler import grid, measure, plan
+
+    points = plan(*grid(False))
+    time_fn, calls = _machine()
+    measured = measure(points, time_fn, rounds=3, seed=1)
+    n = len(points)
+    assert len(calls) == 3 * n and all(len(ts) == 3 for _, ts in measured)
+    rounds = [calls[k * n:(k + 1) * n] for k in range(3)]
+    keyed = {(tuple(p), tuple(d)) for p, d in points}
+    assert all(set(r) == keyed for r in rounds)  # every point once a round
+    assert rounds[0] != rounds[1] != rounds[2]  # each round in its own order
+    small_to_large = [(tuple(p), tuple(d)) for p, d in points]
+    assert rounds[0] != small_to_large
+    # a step that does not fit is dropped after its first try
+    drop, _ = _machine()
+    measured = measure(points, lambda p, d: None if len(d) == 128 else drop(p, d), rounds=2)
+    assert all(len(d) != 128 for (_, d), _ in measured) and len(measured) == n - 5  # 3 decode, 2 mixed
+
+
+def test_a_busy_spell_does_not_move_the_knee():
+    """The machine is 3x slower for the first third of the run. One small-to-large pass puts the
+    spell on the small batches and finds the knee late; interleaved rounds and their median
+    find it at 16 (+0.6 ms a row past 16 rows: 32 adds under 15%), and report the spread."""
+    from batchserve.runner.profiler import analyse, grid, measure, plan
+
+    points = plan(*grid(False))
+    n = len(points)
+    time_fn, _ = _machine(busy_calls=n)
+    prof = analyse(measure(points, time_fn, rounds=3, seed=0))
+    assert prof["knee"]["batch"] == 16 and prof["rounds"] == 3
+    assert prof["fit"]["max_rel_error"] < 0.02 and prof["fit"]["row_knee"] == 16
+    assert all(s["spread"] == pytest.approx(2.0) for s in prof["samples"])  # one round 3x: (3 - 1) / 1
+    assert any("varied by more than" in w for w in prof["warnings"])
+    one_pass, _ = _machine(busy_calls=n // 3)
+    seq = [(p, [one_pass(p, d)]) for p, d in points]  # the old way: one pass, in plan order
+    seq = [((p, d), ts) for (p, ts), (_, d) in zip(seq, points)]
+    assert analyse(seq)["knee"]["batch"] > 16
+    quiet, _ = _machine()
+    calm = analyse(measure(points, quiet, rounds=2))
+    assert calm["knee"]["batch"] == 16 and calm["warnings"] == []
+
+
+def test_a_bad_fit_is_warned_about():
+    from batchserve.runner.profiler import analyse, grid, measure, plan, report
+
+    points = plan(*grid(True))
+    jagged = {i: 0.5 + 1.5 * ((i * 7) % 5) / 4 for i in range(200)}  # per-step factors 0.5-2: no model fits
+
+    def time_fn(pre, dec):
+        return 0.01 * jagged[len(dec) + sum(n for _, n in pre)]
+    prof = analyse(measure(points, time_fn, rounds=2))
+    assert prof["fit"]["mean_rel_error"] > 0.10
+    assert any("fit error is large" in w for w in prof["warnings"])
+    assert not any("varied" in w for w in prof["warnings"])  # repeatable, just not linear
+    prof.update(model="fake", device="cpu", dtype="float32", num_blocks=10, block_size=16,
+                max_batch_by_context={"16": 10})
+    text = report(prof)
+    assert "WARNING: fit error is large" in text and "knee: batch" in text and "--max-num-seqs" in text

@@ -113,3 +113,19 @@ def test_fidelity_on_a_tiny_model(tmp_path) -> None:
         assert r["rel_error"]["throughput_rps"] <= 0.10, r
         ratio = r["sim"]["e2e_p50_ms"] / r["live"]["e2e_p50_ms"]
         assert 0.5 <= ratio <= 2.0, r
+
+
+def test_simulate_says_padding_is_only_accounted(capsys) -> None:
+    base = ["simulate", "--workload", "mixed", "--requests", "30", "--rate", "20", "--scale", "0.2"]
+    assert main(base + ["--policy", "static"]) == 0
+    out = capsys.readouterr().out
+    assert "padding:" in out and "accounted only" in out and "unpadded" in out
+    assert main(base + ["--policy", "continuous"]) == 0  # nothing padded, nothing to say
+    assert "padding:" not in capsys.readouterr().out
+
+
+def test_policies_benchmark_says_padding_is_only_accounted() -> None:
+    from benchmarks.policies import PADDING_NOTE, table
+
+    assert "accounted, not computed" in PADDING_NOTE and "ragged" in PADDING_NOTE
+    assert "padding (accounted, not run)" in table([])

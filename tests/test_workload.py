@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from batchserve.bench.arrivals import make_arrivals
-from batchserve.bench.workload import MIXES, ORDINARY_IDS, make_workload, save_trace
+from batchserve.bench.metrics import SLO
+from batchserve.bench.workload import (MIXES, ORDINARY_IDS, RequestClass, class_slos, make_workload, mix_classes,
+                                       save_trace)
 
 
 def _gaps(items) -> np.ndarray:
@@ -158,3 +160,63 @@ def test_bad_inputs(tmp_path):
     bad.write_text('{"timestamp": 0, "max_tokens": 3}\n')
     with pytest.raises(ValueError, match="prompt"):
         make_workload(str(bad), 0, 0.0)
+
+
+def test_request_classes_as_the_mix():
+    hi = RequestClass("high", 0.18, 64, 32, cv=0.2, priority=9, deadline_ms=2000.0, deadline_kind="hard",
+                      slo=SLO(ttft_ms=300.0))
+    mid = RequestClass("mid", 0.20, 128, 16, priority=5, deadline_ms=5000.0, deadline_kind="soft")
+    low = RequestClass("low", 0.62, 256, 64, priority=1)
+    items = make_workload([hi, mid, low], 3000, 5.0, seed=2, deadline_scale=0.5)
+    assert items == make_workload([hi, mid, low], 3000, 5.0, seed=2, deadline_scale=0.5)
+    by = {c.name: [w for w in items if w.cls == c.name] for c in (hi, mid, low)}
+    assert sum(map(len, by.values())) == len(items)  # every item carries its class's name
+    for c, share in ((hi, 0.18), (mid, 0.20), (low, 0.62)):
+        ws = by[c.name]
+        assert len(ws) / len(items) == pytest.approx(share, abs=0.025)
+        assert np.mean([w.prompt_len for w in ws]) == pytest.approx(c.prompt_mean, rel=0.06)
+        assert np.mean([w.max_tokens for w in ws]) == pytest.approx(c.output_mean, rel=0.06)
+        assert {w.priority for w in ws} == {c.priority}
+        assert {w.deadline_kind for w in ws} == {c.deadline_kind}
+        assert {w.deadline_ms for w in ws} == {None if c.deadline_ms is None else c.deadline_ms / 2}
+    assert class_slos([hi, mid, low]) == {"high": SLO(ttft_ms=300.0)}
+    assert mix_classes([hi, low]) == (hi, low) and mix_classes("chat")[0].name == "chat"
+    assert mix_classes("some-trace.jsonl") == ()
+    for bad in (dict(weight=0), dict(priority=11), dict(deadline_kind="firm", deadline_ms=5.0),
+                dict(prompt_mean=-1.0), dict(deadline_ms=0.0)):
+        with pytest.raises(ValueError):
+            RequestClass(**{"name": "x", "weight": 1.0, **bad})
+    with pytest.raises(ValueError, match="prompt_mean"):
+        make_workload([RequestClass("x", 1.0)], 10, 1.0)  # a synthetic mix needs lengths
+    with pytest.raises(ValueError, match="repeat"):
+        make_workload([low, low], 10, 1.0)
+
+
+def test_classes_relabel_a_trace(tmp_path):
+    gen = make_workload("chat", 400, 5.0, seed=1)
+    save_trace(gen, str(tmp_path / "t.jsonl"))
+    hi, lo = RequestClass("high", 1.0, priority=9, deadline_ms=800.0, deadline_kind="hard"), RequestClass("low", 3.0)
+    items = make_workload(str(tmp_path / "t.jsonl"), 0, 0.0, classes=[hi, lo], seed=4)
+    assert [(w.arrival, w.prompt_len, w.max_tokens) for w in items] == \
+           [(pytest.approx(w.arrival - gen[0].arrival), w.prompt_len, w.max_tokens) for w in gen]  # the trace's
+    high = [w for w in items if w.cls == "high"]
+    assert len(high) / len(items) == pytest.approx(0.25, abs=0.06)
+    assert {(w.priority, w.deadline_ms, w.deadline_kind) for w in high} == {(9, 800.0, "hard")}
+    assert all(w.priority == lo.priority and w.deadline_ms is None for w in items if w.cls == "low")
+    with pytest.raises(ValueError, match="relabels a trace"):
+        make_workload("chat", 10, 1.0, classes=[hi])
+
+
+def test_piecewise_rate_profile():
+    rng = np.random.default_rng(5)
+    t = make_arrivals("piecewise", 20000, 2.0, rng, phases=[(1000, 1), (1000, 3), (500, 0, 2)])
+    assert np.sum(t < 1000) / 1000 == pytest.approx(2.0, rel=0.08)
+    assert np.sum((t >= 1000) & (t < 2000)) / 1000 == pytest.approx(6.0, rel=0.05)
+    assert np.sum((t >= 2000) & (t < 2500)) / 500 == pytest.approx(2.0, rel=0.1)  # ramp 0 -> 4 req/s
+    assert np.sum((t >= 2500) & (t < 3000)) / 500 == pytest.approx(4.0, rel=0.08)  # the last rate holds
+    assert np.all(np.diff(t) >= 0)
+    surge = make_workload("chat", 600, 2.0, seed=1, arrival="piecewise", phases=[(50, 1), (50, 3), (50, 1)])
+    assert np.sum([50 <= w.arrival < 100 for w in surge]) > 2 * np.sum([w.arrival < 50 for w in surge])
+    for bad in ([], [(0, 1)], [(10, -1)], [(10,)]):
+        with pytest.raises(ValueError, match="piecewise"):
+            make_arrivals("piecewise", 10, 1.0, rng, phases=bad)

@@ -13,6 +13,10 @@ removes exactly the bursts a batching policy must survive.
   7.5x surge (its priority-flood case).
 - `ramp`: rate grows linearly from `rate * start` to `rate * end` over `ramp_s` seconds, then
   stays at `rate * end`.
+- `piecewise`: any rate profile. `phases` is a list of (duration_s, factor) — a constant rate
+  `rate * factor` for that long — or (duration_s, start, end) — a linear ramp from
+  `rate * start` to `rate * end`; after the last phase its final rate holds forever. `step`
+  and `ramp` are special cases; a surge to 3x and back is [(30, 1), (30, 3), (30, 1)].
 - `onoff`: bursts. ON for `on_s` seconds, OFF for `off_s`, repeating; during ON the rate is
   `rate * (on_s + off_s) / on_s`, so the long-run mean is still `rate`.
 
@@ -63,6 +67,20 @@ def _piecewise(n: int, rng: np.random.Generator, segments: Sequence[tuple[float,
     return out
 
 
+def piecewise(n: int, rate: float, rng: np.random.Generator,
+              phases: Sequence[Sequence[float]] = ((10.0, 1.0), (10.0, 3.0), (10.0, 1.0))) -> np.ndarray:
+    if not phases:
+        raise ValueError("piecewise arrivals: phases must not be empty")
+    segs = []
+    for ph in phases:
+        if len(ph) not in (2, 3) or not ph[0] > 0 or min(ph[1:]) < 0:
+            raise ValueError(f"piecewise arrivals: a phase is (duration_s > 0, factor >= 0) or "
+                             f"(duration_s, start, end), got {tuple(ph)}")
+        dur, f0, f1 = float(ph[0]), float(ph[1]), float(ph[-1])
+        segs.append((dur, rate * f0, rate * f1))
+    return _piecewise(n, rng, segs, segs[-1][2])
+
+
 def step(n: int, rate: float, rng: np.random.Generator, factors: Sequence[float] = (1.0, 7.5, 1.0),
          step_s: float = 10.0) -> np.ndarray:
     segs = [(step_s, rate * f, rate * f) for f in factors[:-1]]
@@ -83,7 +101,7 @@ def onoff(n: int, rate: float, rng: np.random.Generator, on_s: float = 2.0, off_
 
 
 ARRIVALS: dict[str, Callable[..., np.ndarray]] = {
-    "poisson": poisson, "gamma": gamma, "step": step, "ramp": ramp, "onoff": onoff,
+    "poisson": poisson, "gamma": gamma, "step": step, "ramp": ramp, "piecewise": piecewise, "onoff": onoff,
 }
 
 

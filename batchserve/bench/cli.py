@@ -1,7 +1,13 @@
 """`batchserve bench`: sweep request rates against an OpenAI-compatible URL, or compare runs.
 
     batchserve bench --url http://127.0.0.1:8000 --workload chat --requests 50 --rates 0.5,1,2 --out bench_out
+    batchserve bench --url ... --workload chat --slo ttft_ms=500,tpot_ms=50 --find-max-goodput --out search
     batchserve bench --compare bench_a/summary.json bench_b/summary.json --out cmp
+
+`--slo` sets the targets of SLO attainment and goodput (`bench.metrics`): `key=ms,...` for
+every request, `CLASS:key=ms,...` for one class (it wins over the workload's own class SLO,
+which wins over the global one). `--find-max-goodput` searches (`bench.search`) for the
+highest rate whose attainment stays at `--target-attainment`, starting from the first rate.
 """
 from __future__ import annotations
 
@@ -15,9 +21,12 @@ from typing import Any
 import httpx
 
 from batchserve.bench.client import ClientConfig, run
-from batchserve.bench.metrics import summarize
+from batchserve.bench.metrics import SLO, parse_slo_args, summarize
 from batchserve.bench.report import RateRun, compare_reports, markdown_table, write_report
-from batchserve.bench.workload import MIXES, make_workload
+from batchserve.bench.search import find_max_rate, search_line
+from batchserve.bench.traces import FORMATS as TRACE_FORMATS
+from batchserve.bench.traces import SAMPLES as TRACE_SAMPLES
+from batchserve.bench.workload import MIXES, class_slos, make_workload, mix_classes
 
 
 def add_bench_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
@@ -25,11 +34,16 @@ def add_bench_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     b = sub.add_parser("bench", parents=parents, help="load-test an OpenAI-compatible server; reports and plots",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     b.add_argument("--url", help="server base URL, e.g. http://127.0.0.1:8000")
-    b.add_argument("--workload", default="chat", help=f"a mix {sorted(MIXES)} or a JSONL trace file")
+    b.add_argument("--workload", default="chat", help=f"a mix {sorted(MIXES)}, or a trace file (as --trace)")
+    b.add_argument("--trace", default=None, metavar="FILE|SAMPLE", help="replay a trace file or bundled sample "
+                   "(burstgpt, azure-code, azure-conv, mooncake) instead of --workload")
+    b.add_argument("--trace-format", default=None, choices=TRACE_FORMATS, help="the trace's format (default: sniffed)")
+    b.add_argument("--time-scale", type=float, default=None,
+                   help="multiply the trace's timestamps (0.1: ten times faster); instead of --rates")
     b.add_argument("--requests", type=int, default=100, help="requests per rate (0: the whole trace)")
     b.add_argument("--rates", default=None, help="comma-separated request rates (req/s) to sweep "
                    "(default 1; for a trace: its own timing)")
-    b.add_argument("--arrival", default=None, help="poisson | gamma | step | ramp | onoff | replay "
+    b.add_argument("--arrival", default=None, help="poisson | gamma | step | ramp | piecewise | onoff | replay "
                    "(default: poisson, or replay for a trace)")
     b.add_argument("--burstiness", type=float, default=None, help="gamma arrivals: CV^2 of the gaps")
     b.add_argument("--arrival-args", default=None, help='JSON of more arrival parameters, e.g. \'{"step_s": 5}\'')
@@ -37,6 +51,11 @@ def add_bench_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--out", default="bench_out", help="output directory")
     b.add_argument("--slo-ms", type=float, default=None, help="end-to-end SLO for requests without a deadline")
+    b.add_argument("--slo", action="append", default=None, metavar="[CLASS:]KEY=MS,...",
+                   help="SLO targets ttft_ms, tpot_ms, e2e_ms for goodput; CLASS: for one class; repeatable")
+    b.add_argument("--find-max-goodput", action="store_true",
+                   help="search for the highest rate keeping --target-attainment (from the first --rates)")
+    b.add_argument("--target-attainment", type=float, default=99.0, help="percent of requests meeting the SLO")
     b.add_argument("--model", default=None, help="model name to send (default: the server's first /v1/models id)")
     b.add_argument("--tokenizer", default=None, help="build text prompts of exact length with this model's "
                    "tokenizer (alias, GGUF file or HF dir); default: random token ids")
@@ -82,38 +101,86 @@ def _check_reachable(url: str) -> str | None:
 def run_sweep(cfg: ClientConfig, workload: str, requests: int, rates: list[float], out: str, *,
               label: str, seed: int = 0, arrival: str | None = None, arrival_kwargs: dict[str, Any] | None = None,
               scale: float | None = None, tokenizer: Any = None, slo_ms: float | None = None,
-              plot: bool = True, meta: dict[str, Any] | None = None) -> str:
+              slo: SLO | None = None, class_slo: dict[str, SLO] | None = None, plot: bool = True,
+              meta: dict[str, Any] | None = None, search_target: float | None = None,
+              trace_format: str | None = None, time_scale: float | None = None) -> str:
     """Run the workload at every rate in turn against cfg.url and write the report in `out`;
-    return its summary.json path."""
+    return its summary.json path. Requests of a class are judged by `class_slo` (over the
+    workload's own class SLOs) or else `slo`. With `search_target` (attainment in (0, 1]) the
+    rates are not swept: `find_max_rate` starts at rates[0], and the report's meta gets the
+    search's probes and answer under "search". `trace_format` and `time_scale` are
+    make_workload's, for a trace."""
     runs: list[RateRun] = []
     model = cfg.model
-    for rate in rates:
+    per_class = {**class_slos(mix_classes(workload)), **(class_slo or {})}
+
+    def run_at(rate: float) -> dict[str, Any]:
+        nonlocal model
         items = make_workload(workload, requests, rate, seed=seed, arrival=arrival, tokenizer=tokenizer,
-                              scale=scale, **(arrival_kwargs or {}))
+                              scale=scale, trace_format=trace_format, time_scale=time_scale,
+                              **(arrival_kwargs or {}))
         print(f"{label}: {workload} at {rate:g} req/s: {len(items)} requests over {items[-1].arrival:.1f} s",
               file=sys.stderr)
         res = run(items, cfg)
         model = model or res.model
-        summary = summarize(res.records, res.duration_s, slo_ms)
+        summary = summarize(res.records, res.duration_s, slo_ms, slo, per_class)
         runs.append(RateRun(rate, res.records, summary, res.timeline))
         print(markdown_table([(label, rate, summary)]).split("\n\n")[0], file=sys.stderr)
-    info = {"label": label, "url": cfg.url, "model": model, "workload": workload, "arrival": arrival,
-            "arrival_args": arrival_kwargs or {}, "requests": requests, "seed": seed, "scale": scale,
-            "slo_ms": slo_ms, "created": datetime.datetime.now().isoformat(timespec="seconds"), **(meta or {})}
+        return summary
+
+    info: dict[str, Any] = {}
+    if search_target is None:
+        for rate in rates:
+            run_at(rate)
+    else:
+        found = find_max_rate(lambda r: run_at(r)["goodput_frac"] or 0.0, search_target, rates[0])
+        best = next((r for r in runs if r.rate == found.best), None)
+        info["search"] = {"target_attainment": search_target, "best_rate": found.best, "bracketed": found.bracketed,
+                          "goodput_rps": best.summary["goodput_rps"] if best else None,
+                          "probes": [{"rate": r, "attainment": a} for r, a in found.probes]}
+        print(search_line(info["search"]), file=sys.stderr)
+    info.update({"label": label, "url": cfg.url, "model": model, "workload": workload, "arrival": arrival,
+                 "arrival_args": arrival_kwargs or {}, "trace_format": trace_format, "time_scale": time_scale,
+                 "requests": requests, "seed": seed, "scale": scale,
+                 "slo_ms": slo_ms, "slo": slo.targets() if slo else {},
+                 "class_slo": {k: v.targets() for k, v in per_class.items()},
+                 "created": datetime.datetime.now().isoformat(timespec="seconds"), **(meta or {})})
     return write_report(out, info, runs, plot=plot)
 
 
 def sweep(a: argparse.Namespace) -> str:
     """`bench` flags -> run_sweep."""
+    if a.trace:
+        a.workload = a.trace
     is_trace = a.workload not in MIXES
     rates = [float(r) for r in a.rates.split(",")] if a.rates else [0.0 if is_trace else 1.0]
+    slo, class_slo = parse_slo_args(a.slo or [])
     cfg = ClientConfig(a.url, model=a.model, temperature=a.temperature, ignore_eos=not a.no_ignore_eos,
                        extensions=not a.no_extensions, request_timeout_s=a.timeout,
                        max_duration_s=a.max_duration, progress=not a.no_progress)
     return run_sweep(cfg, a.workload, a.requests, rates, a.out, label=a.label or a.url, seed=a.seed,
                      arrival=a.arrival, arrival_kwargs=_arrival_kwargs(a), scale=a.scale,
                      tokenizer=load_tokenizer(a.tokenizer) if a.tokenizer else None, slo_ms=a.slo_ms,
-                     plot=not a.no_plots, meta={"tokenizer": a.tokenizer})
+                     slo=slo, class_slo=class_slo, plot=not a.no_plots, meta={"tokenizer": a.tokenizer},
+                     search_target=a.target_attainment / 100.0 if a.find_max_goodput else None,
+                     trace_format=a.trace_format, time_scale=a.time_scale)
+
+
+def check_args(a: argparse.Namespace) -> str | None:
+    """What is wrong with the search and SLO flags, before any request is sent; None if nothing."""
+    try:
+        parse_slo_args(a.slo or [])
+    except ValueError as e:
+        return f"--slo: {e}"
+    if not 0 < a.target_attainment <= 100:
+        return f"--target-attainment is a percentage in (0, 100], got {a.target_attainment:g}"
+    if a.find_max_goodput and not (a.rates and float(a.rates.split(",")[0]) > 0):
+        return "--find-max-goodput needs a starting rate > 0: --rates R"
+    if a.trace and a.trace not in TRACE_SAMPLES and not os.path.isfile(a.trace):
+        return f"--trace {a.trace!r}: no such file, nor a bundled sample {sorted(TRACE_SAMPLES)}"
+    if a.time_scale is not None and (a.rates or a.find_max_goodput or not a.time_scale > 0):
+        return "--time-scale: a positive factor for a trace's own timing, without --rates or --find-max-goodput"
+    return None
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
@@ -126,7 +193,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         return 2
     if not a.url.startswith(("http://", "https://")):
         a.url = "http://" + a.url
-    err = _check_reachable(a.url)
+    err = check_args(a) or _check_reachable(a.url)
     if err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -8,8 +8,15 @@ Definitions (all latencies in ms in the summary):
   carries several tokens counts as one arrival).
 - Latency statistics are over completed requests (`ok`): HTTP 200, no error, not cut off,
   and a finish reason that is not abort / deadline / rejected / error.
-- Goodput = completed requests that met their own deadline, or `slo_ms` when they have none
-  (every completed request when neither), per second of `duration_s`.
+- SLO: per-request targets on TTFT, TPOT and E2E (`SLO`, any subset); a class's SLO replaces
+  the global one for that class's requests. A request is *good* when it completed (`ok`:
+  errors, rejections, timeouts and disconnects are misses), met every target of its SLO (a
+  request with < 2 output tokens has no TPOT and meets a TPOT target), and finished within its
+  own deadline, or within `slo_ms` when it has none.
+- Attainment = good requests / all requests; goodput = good requests / `duration_s`. This is
+  `vllm bench serve --goodput`'s and GuideLLM's definition (failed requests are in the
+  denominator, never in the numerator); with no SLO, deadline or `slo_ms` every completed
+  request is good.
 - Percentiles: `percentile` below, linear interpolation between closest ranks (numpy's
   default, Hyndman & Fan type 7); P50/P90/P99 everywhere.
 """
@@ -17,14 +24,68 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from batchserve.request import DEFAULT_PRIORITY
 
 FAILED_REASONS = frozenset({"abort", "deadline", "rejected", "error"})
 QUANTILES = (50, 90, 99)
+SLO_KEYS = ("ttft_ms", "tpot_ms", "e2e_ms")
+_SLO_ALIASES = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2e": "e2e_ms", "e2el": "e2e_ms"}
+
+
+@dataclass(frozen=True)
+class SLO:
+    """Latency targets of one request, in ms; None: no target on that metric. A request meets
+    it when TTFT <= ttft_ms, TPOT <= tpot_ms and E2E <= e2e_ms for every target that is set."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2e_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if v is not None and not (isinstance(v, (int, float)) and 0 < v < math.inf):
+                raise ValueError(f"SLO {f.name}: must be a positive number of ms, got {v!r}")
+
+    @classmethod
+    def parse(cls, text: str) -> "SLO":
+        """`ttft_ms=500,tpot_ms=50,e2e_ms=8000` (any subset; `ttft`, `tpot`, `e2e` also accepted,
+        and `:` for `=`, as in `vllm bench serve --goodput ttft:500`)."""
+        kw: dict[str, float] = {}
+        for part in filter(None, (p.strip() for p in text.replace(" ", ",").split(","))):
+            key, sep, val = part.replace(":", "=", 1).partition("=")
+            key = _SLO_ALIASES.get(key.strip(), key.strip())
+            if not sep or key not in SLO_KEYS:
+                raise ValueError(f"SLO {text!r}: expected key=ms with keys {', '.join(SLO_KEYS)}; got {part!r}")
+            try:
+                kw[key] = float(val)
+            except ValueError:
+                raise ValueError(f"SLO {text!r}: {key} must be a number of ms, got {val!r}") from None
+        if not kw:
+            raise ValueError(f"SLO {text!r}: no targets")
+        return cls(**kw)
+
+    def targets(self) -> dict[str, float]:
+        """The set targets, {key: ms}."""
+        return {k: v for k in SLO_KEYS if (v := getattr(self, k)) is not None}
+
+
+def parse_slo_args(values: Sequence[str]) -> tuple[SLO | None, dict[str, SLO]]:
+    """`--slo` values: `key=ms,...` is the global SLO, `CLASS:key=ms,...` one class's.
+    Returns (global, {class: SLO}); the last value given for a scope wins."""
+    glob: SLO | None = None
+    per: dict[str, SLO] = {}
+    for v in values:
+        head, sep, rest = v.partition(":")
+        if sep and "=" not in head and head.strip() not in _SLO_ALIASES and head.strip() not in SLO_KEYS:
+            per[head.strip()] = SLO.parse(rest)
+        else:
+            glob = SLO.parse(v)
+    return glob, per
 
 
 @dataclass
@@ -83,6 +144,19 @@ class RequestRecord:
         limit = self.deadline_ms if self.deadline_ms is not None else slo_ms
         return limit is None or self.e2e * 1000.0 <= limit + 1e-9
 
+    def misses(self, slo: SLO | None, slo_ms: float | None = None) -> list[str]:
+        """Why this request is not good: ["failed"] if it did not complete, else the missed
+        targets among ttft_ms, tpot_ms, e2e_ms (of `slo`) and "deadline" (its own deadline, or
+        `slo_ms` when it has none). Empty: the request is good."""
+        if not self.ok:
+            return ["failed"]
+        got = {"ttft_ms": self.ttft, "tpot_ms": self.tpot, "e2e_ms": self.e2e}
+        out = [k for k, limit in (slo.targets() if slo else {}).items()
+               if got[k] is not None and got[k] * 1000.0 > limit + 1e-9]
+        if not self.met_target(slo_ms):
+            out.append("deadline")
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -139,9 +213,42 @@ def _kind(r: RequestRecord) -> str:
     return "error"
 
 
-def _counts(recs: list[RequestRecord], duration_s: float, slo_ms: float | None) -> dict[str, Any]:
+def slo_for(cls: str, slo: SLO | None, class_slo: Mapping[str, SLO] | None) -> SLO | None:
+    """The SLO a request of class `cls` is judged by: its class's when it has one, else the global."""
+    return (class_slo or {}).get(cls, slo)
+
+
+def goodput(records: Sequence[RequestRecord], duration_s: float, slo: SLO | None = None,
+            class_slo: Mapping[str, SLO] | None = None, slo_ms: float | None = None) -> dict[str, Any]:
+    """SLO attainment and goodput, overall and per class, from per-request records.
+
+    good = ok and no target missed (`RequestRecord.misses` under `slo_for(cls, ...)`);
+    attainment = n_good / n_requests; goodput_rps = n_good / duration_s. `misses` counts,
+    per reason (failed, ttft_ms, tpot_ms, e2e_ms, deadline), the requests that missed it
+    (one request can miss several). Returns {n_requests, n_good, attainment, goodput_rps,
+    misses, slo: the global targets, per_class: {cls: the same keys, slo: the class's}}."""
+    if duration_s <= 0:
+        raise ValueError(f"goodput: duration_s must be > 0, got {duration_s}")
+
+    def part(recs: list[RequestRecord], judge: SLO | None) -> dict[str, Any]:
+        why = [r.misses(slo_for(r.cls, slo, class_slo), slo_ms) for r in recs]
+        good = sum(not w for w in why)
+        return {"n_requests": len(recs), "n_good": good,
+                "attainment": good / len(recs) if recs else None, "goodput_rps": good / duration_s,
+                "misses": dict(sorted(Counter(k for w in why for k in w).items())),
+                "slo": judge.targets() if judge else {}}
+
+    recs = list(records)
+    out = part(recs, slo)
+    out["per_class"] = {c: part([r for r in recs if r.cls == c], slo_for(c, slo, class_slo))
+                        for c in sorted({r.cls for r in recs})}
+    return out
+
+
+def _counts(recs: list[RequestRecord], duration_s: float, slo_ms: float | None,
+            slo: SLO | None = None, class_slo: Mapping[str, SLO] | None = None) -> dict[str, Any]:
     n_ok = sum(r.ok for r in recs)
-    good = sum(r.met_target(slo_ms) for r in recs)
+    good = sum(not r.misses(slo_for(r.cls, slo, class_slo), slo_ms) for r in recs)
     with_deadline = [r for r in recs if r.deadline_ms is not None]
     missed = sum(not r.met_target(None) for r in with_deadline)
     return {
@@ -165,11 +272,15 @@ def _counts(recs: list[RequestRecord], duration_s: float, slo_ms: float | None) 
     }
 
 
-def summarize(records: Sequence[RequestRecord], duration_s: float, slo_ms: float | None = None) -> dict[str, Any]:
+def summarize(records: Sequence[RequestRecord], duration_s: float, slo_ms: float | None = None,
+              slo: SLO | None = None, class_slo: Mapping[str, SLO] | None = None) -> dict[str, Any]:
     """Throughput, goodput, latency percentiles and failure counts, overall and per class.
 
     `duration_s` is the run's length (first send to last end, or the simulated span);
-    `slo_ms` is the end-to-end target for requests without their own deadline. Failures
+    `slo_ms` is the end-to-end target for requests without their own deadline; `slo` the
+    targets every request is judged by unless its class has its own in `class_slo`. n_good,
+    goodput_rps and goodput_frac (the attainment) are `goodput`'s, whose full result,
+    with the reasons for misses, is under "goodput". Failures
     split into n_rejected (503, or a stream ending 'rejected'), n_timeout (504, or a stream
     ending 'deadline'), n_disconnects, and n_errors (everything else: other 4xx/5xx, an error
     event or finish_reason error/abort)."""
@@ -177,7 +288,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo_ms: float
         raise ValueError(f"summarize: duration_s must be > 0, got {duration_s}")
     recs = list(records)
     out: dict[str, Any] = {"duration_s": duration_s, "slo_ms": slo_ms}
-    out.update(_counts(recs, duration_s, slo_ms))
+    out.update(_counts(recs, duration_s, slo_ms, slo, class_slo))
     out["finish_reasons"] = dict(sorted(Counter(str(r.finish_reason) for r in recs).items()))
     out["status_codes"] = {str(k): v for k, v in sorted(Counter(r.status for r in recs).items())}
     retry = [r.retry_after_s for r in recs if r.retry_after_s is not None]
@@ -186,9 +297,10 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo_ms: float
     per: dict[str, Any] = {}
     for cls in sorted({r.cls for r in recs}):
         sub = [r for r in recs if r.cls == cls]
-        per[cls] = {**_counts(sub, duration_s, slo_ms), "priority": sorted({r.priority for r in sub}),
+        per[cls] = {**_counts(sub, duration_s, slo_ms, slo, class_slo), "priority": sorted({r.priority for r in sub}),
                     "latency": _latency(sub)}
     out["per_class"] = per
+    out["goodput"] = goodput(recs, duration_s, slo, class_slo, slo_ms)
     return out
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from batchserve.bench import plots
 from batchserve.bench.metrics import RequestRecord
+from batchserve.bench.search import search_line
 
 
 @dataclass
@@ -70,10 +71,27 @@ def write_report(out_dir: str, meta: dict[str, Any], runs: list[RateRun], plot: 
     if plot:
         plots.plot_sweep({label: [(e["rate"], e["summary"]) for e in entries]}, os.path.join(out_dir, "sweep.png"),
                          f"{label}: latency and throughput vs load", slo, per_class=True)
+    rows = [(label, e["rate"], e["summary"]) for e in entries]
     with open(os.path.join(out_dir, "table.md"), "w") as f:
-        f.write(markdown_table([(label, e["rate"], e["summary"]) for e in entries]) + "\n\n"
-                + class_table([(label, e["rate"], e["summary"]) for e in entries]) + "\n")
+        f.write(markdown_table(rows) + "\n\n" + class_table(rows) + "\n\n" + slo_text(meta) + "\n")
     return path
+
+
+def _targets(t: dict[str, float]) -> str:
+    return ", ".join(f"{k} <= {v:g}" for k, v in t.items()) or "none"
+
+
+def slo_text(meta: dict[str, Any]) -> str:
+    """The SLO the goodput columns were judged by, and a rate search's answer if there was one."""
+    lines = [f"Goodput: requests/s that completed and met every target of their SLO and their deadline "
+             f"(or --slo-ms {_f(meta.get('slo_ms'), 0)} without one); attainment = good / all requests, "
+             f"failures included. Global SLO: {_targets(meta.get('slo') or {})}."]
+    lines += [f"Class {c} SLO: {_targets(t)}." for c, t in (meta.get("class_slo") or {}).items()]
+    if meta.get("search"):
+        sr = meta["search"]
+        lines.append(search_line(sr) + " (" + ", ".join(f"{p['rate']:.3g}: {100 * p['attainment']:.1f}%"
+                                                       for p in sr["probes"]) + ").")
+    return "\n".join(lines)
 
 
 def load_report(path: str) -> tuple[dict[str, Any], list[RateRun]]:
@@ -94,16 +112,21 @@ def _f(v: Any, nd: int = 1) -> str:
     return "-" if v is None else f"{v:.{nd}f}" if isinstance(v, float) else str(v)
 
 
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"
+
+
 def markdown_table(rows: list[tuple[str, float, dict[str, Any]]]) -> str:
     """One line per (label, rate, summary): throughput, goodput, latency percentiles, failures."""
-    head = ("| run | rate | req/s | tok/s | goodput/s | TTFT P50 | TTFT P99 | TPOT P50 | TPOT P99 | "
+    head = ("| run | rate | req/s | tok/s | goodput/s | attain | TTFT P50 | TTFT P99 | TPOT P50 | TPOT P99 | "
             "E2E P50 | E2E P90 | E2E P99 | ok | rejected | timeout | disconn | errors |")
-    lines = [head, "|" + "|".join("---" for _ in range(17)) + "|"]
+    lines = [head, "|" + "|".join("---" for _ in range(18)) + "|"]
     for label, rate, s in rows:
         lat = s["latency"]
         lines.append("| " + " | ".join([
             label, f"{rate:g}", _f(s["throughput_rps"], 2), _f(s["output_tokens_per_s"]), _f(s["goodput_rps"], 2),
-            _f(lat["ttft_ms"]["p50"], 0), _f(lat["ttft_ms"]["p99"], 0), _f(lat["tpot_ms"]["p50"], 0),
+            _pct(s.get("goodput_frac")), _f(lat["ttft_ms"]["p50"], 0), _f(lat["ttft_ms"]["p99"], 0),
+            _f(lat["tpot_ms"]["p50"], 0),
             _f(lat["tpot_ms"]["p99"], 0), _f(lat["e2e_ms"]["p50"], 0), _f(lat["e2e_ms"]["p90"], 0),
             _f(lat["e2e_ms"]["p99"], 0), f"{s['n_ok']}/{s['n_requests']}", str(s["n_rejected"]),
             str(s["n_timeout"]), str(s["n_disconnects"]), str(s["n_errors"])]) + " |")
@@ -111,16 +134,20 @@ def markdown_table(rows: list[tuple[str, float, dict[str, Any]]]) -> str:
 
 
 def class_table(rows: list[tuple[str, float, dict[str, Any]]]) -> str:
-    """Per class (priority level): completed, goodput, TTFT / E2E P99, deadline misses."""
-    lines = ["| run | rate | class | priority | ok | goodput/s | TTFT P99 | E2E P50 | E2E P99 | deadline missed |",
-             "|" + "|".join("---" for _ in range(10)) + "|"]
+    """Per class (priority level): completed, goodput, attainment and the SLO it is against,
+    TTFT / E2E P99, deadline misses."""
+    lines = ["| run | rate | class | priority | ok | goodput/s | attain | SLO | TTFT P99 | E2E P50 | E2E P99 "
+             "| deadline missed |", "|" + "|".join("---" for _ in range(12)) + "|"]
     for label, rate, s in rows:
+        gp = s.get("goodput", {}).get("per_class", {})
         for cls, c in s.get("per_class", {}).items():
             lat = c["latency"]
             miss = c.get("deadline_miss_rate")
+            slo = ", ".join(f"{k.removesuffix('_ms')} {v:g}" for k, v in gp.get(cls, {}).get("slo", {}).items())
             lines.append("| " + " | ".join([
                 label, f"{rate:g}", cls, ",".join(map(str, c.get("priority", []))), f"{c['n_ok']}/{c['n_requests']}",
-                _f(c["goodput_rps"], 2), _f(lat["ttft_ms"]["p99"], 0), _f(lat["e2e_ms"]["p50"], 0),
+                _f(c["goodput_rps"], 2), _pct(c.get("goodput_frac")), slo or "-", _f(lat["ttft_ms"]["p99"], 0),
+                _f(lat["e2e_ms"]["p50"], 0),
                 _f(lat["e2e_ms"]["p99"], 0), "-" if miss is None else f"{100 * miss:.1f}%"]) + " |")
     return "\n".join(lines)
 

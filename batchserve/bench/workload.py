@@ -3,6 +3,11 @@
     items = make_workload("chat", n=200, rate=2.0, seed=0)                    # Poisson, chat mix
     items = make_workload("mixed", 100, 1.0, arrival="gamma", burstiness=4)   # bursty
     items = make_workload("trace.jsonl", 0, 0.0)                              # replay a trace
+    classes = [RequestClass("high", 0.2, 64, 32, priority=9, deadline_ms=2000, deadline_kind="hard",
+                            slo=SLO(ttft_ms=500)),
+               RequestClass("low", 0.8, 64, 32, priority=1)]
+    items = make_workload(classes, 500, 4.0, arrival="piecewise", phases=[(20, 1), (20, 3), (20, 1)])
+    class_slos(classes)                                # {"high": SLO(ttft_ms=500)}: for summarize
 
 Mixes (lengths in tokens, before `scale`; every class's lengths are lognormal with the given
 mean and coefficient of variation, rounded and clipped to [1, 4 x mean]):
@@ -17,7 +22,13 @@ mean and coefficient of variation, rounded and clipped to [1, 4 x mean]):
   output 32. Pair it with arrival="step" for the seed's 7.5x surge. `deadline_scale` scales
   every deadline (e.g. to the hardware being simulated).
 
-A file name replays a JSONL trace, one request a line: `timestamp` (s) , `prompt` (text) or
+A mix is a sequence of `RequestClass`: a name, a share (weights, normalised), lengths, a
+priority, a deadline and its kind, and an SLO by which `bench.metrics` judges its requests;
+`make_workload` takes a named mix or the classes themselves. Every item carries its class's
+name in `cls`.
+
+A file name (or a bundled sample's name) replays a trace: BurstGPT, Azure and Mooncake
+files are read by `bench.traces`; batchserve's own JSONL has one request a line: `timestamp` (s) , `prompt` (text) or
 `prompt_len`, `max_tokens`, and optionally `priority`, `deadline_ms`, `deadline_kind`, `cls`.
 With arrival None or "replay" the trace's own timestamps are used (shifted to start at 0 and,
 when rate > 0, stretched so the mean rate is `rate`); any other arrival keeps the trace's
@@ -28,17 +39,19 @@ exactly `prompt_len` tokens; without one, `prompt_token_ids` are random ordinary
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from batchserve.bench.arrivals import make_arrivals
-from batchserve.request import DEFAULT_PRIORITY
-
-ORDINARY_IDS = (1000, 30000)  # token-id range with no special tokens in common vocabularies
+from batchserve.bench.metrics import SLO
+from batchserve.bench.prompts import ORDINARY_IDS, build_prompt  # noqa: F401 (ORDINARY_IDS: re-exported)
+from batchserve.request import DEFAULT_PRIORITY, DeadlineKind, check_priority
 
 
 @dataclass(frozen=True)
@@ -59,16 +72,46 @@ class WorkItem:
 
 @dataclass(frozen=True)
 class RequestClass:
-    """One class of a mix: its share, mean lengths (tokens), priority and deadline."""
+    """One class of a mix. `weight` is its share of requests (the weights of a mix are
+    normalised); prompt and output lengths are lognormal with means `prompt_mean` and
+    `output_mean` (tokens) and coefficient of variation `cv` (None: a trace's own lengths;
+    a synthetic mix needs both); `priority` 0-10; `deadline_ms` the end-to-end deadline sent
+    with each request, `deadline_kind` "hard" or "soft"; `slo` the targets its requests are
+    judged by (`bench.metrics.SLO`; None: the run's global SLO)."""
 
     name: str
     weight: float
-    prompt_mean: float
-    output_mean: float
+    prompt_mean: float | None = None
+    output_mean: float | None = None
     cv: float = 0.5
     priority: int = DEFAULT_PRIORITY
     deadline_ms: float | None = None
     deadline_kind: str | None = None
+    slo: SLO | None = None
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.weight > 0:
+            raise ValueError(f"request class {self.name!r}: needs a name and a weight > 0, got {self.weight!r}")
+        for k in ("prompt_mean", "output_mean"):
+            if (v := getattr(self, k)) is not None and not v > 0:
+                raise ValueError(f"request class {self.name!r}: {k} must be > 0, got {v!r}")
+        check_priority(self.priority)
+        if self.deadline_ms is not None and not self.deadline_ms > 0:
+            raise ValueError(f"request class {self.name!r}: deadline_ms must be > 0, got {self.deadline_ms!r}")
+        if self.deadline_kind is not None:
+            DeadlineKind(self.deadline_kind)  # ValueError for anything but hard / soft
+
+
+def class_slos(classes: Sequence[RequestClass]) -> dict[str, SLO]:
+    """{class name: SLO} of the classes that have one: `summarize`'s `class_slo`."""
+    return {c.name: c.slo for c in classes if c.slo is not None}
+
+
+def mix_classes(name_or_classes: str | Sequence[RequestClass]) -> tuple[RequestClass, ...]:
+    """The classes of a named mix, or the given classes; () for a trace file."""
+    if isinstance(name_or_classes, str):
+        return MIXES[name_or_classes][1] if name_or_classes in MIXES else ()
+    return tuple(name_or_classes)
 
 
 MIXES: dict[str, tuple[float, tuple[RequestClass, ...]]] = {  # name -> (default scale, classes)
@@ -92,38 +135,67 @@ def lognormal_lengths(rng: np.random.Generator, mean: float, cv: float, size: in
     return np.clip(np.rint(x), 1, max(1, round(4 * mean))).astype(int)
 
 
-def make_workload(name_or_file: str, n: int, rate: float, seed: int = 0, arrival: str | None = None,
-                  tokenizer: Any = None, scale: float | None = None, deadline_scale: float = 1.0,
+def make_workload(name_or_file: str | Sequence[RequestClass], n: int, rate: float, seed: int = 0,
+                  arrival: str | None = None, tokenizer: Any = None, scale: float | None = None,
+                  deadline_scale: float = 1.0, classes: Sequence[RequestClass] | None = None,
+                  trace_format: str | None = None, time_scale: float | None = None,
                   **arrival_kwargs: Any) -> list[WorkItem]:
-    """`n` requests of mix (or trace file) `name_or_file` at mean `rate` requests/s.
+    """`n` requests of a mix (a name in MIXES, or a sequence of RequestClass) or a trace file,
+    at mean `rate` requests/s.
 
     Deterministic per `seed`. `arrival` is a process of `bench.arrivals` (poisson, gamma,
-    step, ramp, onoff) whose extra parameters come in `arrival_kwargs`; None means poisson
-    for a mix and "replay" (the file's own timestamps) for a trace file. `scale` multiplies every length (None: the mix's
-    default), `deadline_scale` every deadline."""
+    step, ramp, onoff, piecewise) whose extra parameters come in `arrival_kwargs`; None means
+    poisson for a mix and "replay" (the file's own timestamps) for a trace file. `scale`
+    multiplies every length (None: the mix's default, 1 for classes and traces),
+    `deadline_scale` every deadline. `classes`, for a trace only, relabels its requests: each
+    is drawn into a class by share and takes its name, priority and deadline (the trace's
+    lengths are kept). A trace is a file, or the name of a sample in `bench.traces.SAMPLES`,
+    in `trace_format` (`bench.traces.FORMATS`; None: sniffed); `time_scale` multiplies its
+    timestamps (instead of stretching them to `rate`)."""
     rng = np.random.default_rng(seed)
-    if name_or_file not in MIXES:
-        if not os.path.isfile(name_or_file):
-            raise ValueError(f"workload: {name_or_file!r} is neither a mix {sorted(MIXES)} nor a file")
-        return _from_trace(name_or_file, n, rate, rng, arrival, tokenizer, scale, deadline_scale, arrival_kwargs)
+    if isinstance(name_or_file, str) and name_or_file not in MIXES:
+        from batchserve.bench import traces  # traces builds on this module's WorkItem and prompts
+
+        path = traces.sample_path(name_or_file) if name_or_file in traces.SAMPLES else name_or_file
+        if not os.path.isfile(path):
+            raise ValueError(f"workload: {name_or_file!r} is neither a mix {sorted(MIXES)}, a trace sample "
+                             f"{sorted(traces.SAMPLES)} nor a file")
+        fmt = trace_format or traces.sniff_format(path)
+        if fmt == "jsonl":
+            items = _from_trace(path, n, rate, rng, arrival, tokenizer, scale, deadline_scale, time_scale,
+                                arrival_kwargs)
+        else:
+            items = traces.trace_workload(path, fmt, n, rate, rng, seed=seed, arrival=arrival, tokenizer=tokenizer,
+                                          scale=scale, time_scale=time_scale, arrival_kwargs=arrival_kwargs)
+        return assign_classes(items, classes, rng, deadline_scale) if classes else items
+    if trace_format is not None or time_scale is not None:
+        raise ValueError(f"workload: trace_format and time_scale are for traces, and {name_or_file!r} is a mix")
+    if classes is not None:
+        raise ValueError("workload: `classes` relabels a trace; for a mix pass the classes as the workload")
     if n < 1:
         raise ValueError(f"workload: n must be >= 1, got {n}")
     if arrival == "replay":
         raise ValueError(f"workload: arrival 'replay' needs a trace file, and {name_or_file!r} is a mix")
-    default_scale, classes = MIXES[name_or_file]
+    if isinstance(name_or_file, str):
+        default_scale, mix = MIXES[name_or_file]
+    else:
+        default_scale, mix = 1.0, tuple(name_or_file)
+    if not mix or any(c.prompt_mean is None or c.output_mean is None for c in mix):
+        raise ValueError("workload: a mix needs >= 1 class, each with prompt_mean and output_mean")
+    if len({c.name for c in mix}) != len(mix):
+        raise ValueError(f"workload: class names repeat in {[c.name for c in mix]}")
     scale = default_scale if scale is None else scale
     times = make_arrivals(arrival or "poisson", n, rate, rng, **arrival_kwargs)
-    weights = np.array([c.weight for c in classes])
-    which = rng.choice(len(classes), size=n, p=weights / weights.sum())
+    which = _draw_classes(mix, n, rng)
     plens = np.empty(n, dtype=int)
     olens = np.empty(n, dtype=int)
-    for k, c in enumerate(classes):  # lengths drawn per class, in a fixed order: seed-stable
+    for k, c in enumerate(mix):  # lengths drawn per class, in a fixed order: seed-stable
         idx = np.flatnonzero(which == k)
         plens[idx] = lognormal_lengths(rng, c.prompt_mean * scale, c.cv, idx.size)
         olens[idx] = lognormal_lengths(rng, c.output_mean * scale, c.cv, idx.size)
     items = []
     for i in range(n):
-        c = classes[which[i]]
+        c = mix[which[i]]
         text, ids = build_prompt(int(plens[i]), rng, tokenizer)
         dl = None if c.deadline_ms is None else c.deadline_ms * deadline_scale
         items.append(WorkItem(float(times[i]), int(plens[i]), text, ids, int(olens[i]), c.priority,
@@ -131,9 +203,30 @@ def make_workload(name_or_file: str, n: int, rate: float, seed: int = 0, arrival
     return items
 
 
+def _draw_classes(mix: Sequence[RequestClass], n: int, rng: np.random.Generator) -> np.ndarray:
+    weights = np.array([c.weight for c in mix], dtype=float)
+    return rng.choice(len(mix), size=n, p=weights / weights.sum())
+
+
+def assign_classes(items: Sequence[WorkItem], classes: Sequence[RequestClass], rng: np.random.Generator,
+                   deadline_scale: float = 1.0) -> list[WorkItem]:
+    """Each item drawn into one of `classes` by share: it takes the class's name, priority and
+    deadline; arrival, prompt and lengths stay. How a trace gets request classes."""
+    which = _draw_classes(classes, len(items), rng)
+    out = []
+    for w, k in zip(items, which):
+        c = classes[k]
+        dl = None if c.deadline_ms is None else c.deadline_ms * deadline_scale
+        out.append(dataclasses.replace(w, priority=c.priority, deadline_ms=dl, deadline_kind=c.deadline_kind,
+                                       cls=c.name))
+    return out
+
+
 def _from_trace(path: str, n: int, rate: float, rng: np.random.Generator, arrival: str | None,
-                tokenizer: Any, scale: float | None, deadline_scale: float,
+                tokenizer: Any, scale: float | None, deadline_scale: float, time_scale: float | None,
                 arrival_kwargs: dict[str, Any]) -> list[WorkItem]:
+    from batchserve.bench.traces import replay_times
+
     rows = []
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
@@ -147,10 +240,8 @@ def _from_trace(path: str, n: int, rate: float, rng: np.random.Generator, arriva
     if not rows:
         raise ValueError(f"{path}: no requests")
     if arrival in (None, "replay"):
-        ts = np.array([float(r.get("timestamp", r.get("arrival", 0.0))) for r in rows])
-        ts = ts - ts.min()
-        if rate > 0 and ts.max() > 0:  # stretch so that len/span == rate, keeping the shape
-            ts = ts * (len(rows) / ts.max()) / rate
+        ts = replay_times(np.array([float(r.get("timestamp", r.get("arrival", 0.0))) for r in rows]), rate,
+                          time_scale)
     else:
         ts = make_arrivals(arrival, len(rows), rate, rng, **arrival_kwargs)
     s = 1.0 if scale is None else scale
@@ -169,8 +260,8 @@ def _from_trace(path: str, n: int, rate: float, rng: np.random.Generator, arriva
             plen = max(1, round(len(text) / 4))  # rough: about 4 characters a token in English
         dl = r.get("deadline_ms")
         items.append(WorkItem(float(t), plen, text, ids, max(1, round(int(r["max_tokens"]) * s)),
-                              int(r.get("priority", DEFAULT_PRIORITY)), None if dl is None else float(dl) * deadline_scale,
-                              r.get("deadline_kind"), str(r.get("cls", r.get("class", "default")))))
+                              int(r.get("priority", DEFAULT_PRIORITY)),
+                              None if dl is None else float(dl) * deadline_scale, r.get("deadline_kind"), str(r.get("cls", r.get("class", "default")))))
     items.sort(key=lambda w: w.arrival)
     return items
 
@@ -186,44 +277,3 @@ def save_trace(items: list[WorkItem], path: str) -> None:
             if w.deadline_ms is not None:
                 row.update(deadline_ms=w.deadline_ms, deadline_kind=w.deadline_kind)
             f.write(json.dumps(row) + "\n")
-
-
-# --- prompts of an exact token length ------------------------------------------------------
-_WORDS: dict[int, list[str]] = {}  # id(tokenizer) -> words that are one token after a space
-
-
-def _one_token_words(tokenizer: Any) -> list[str]:
-    """Lower-case alphabetic words w such that " w" encodes to a single token. Scanned in id
-    order so the list (and so every prompt) is the same for the same tokenizer."""
-    key = id(tokenizer)
-    if key not in _WORDS:
-        words = []
-        for tid in range(min(len(tokenizer), 20000)):
-            w = tokenizer.decode([tid]).strip()
-            if 3 <= len(w) <= 8 and w.isascii() and w.isalpha() and w.islower() \
-                    and len(tokenizer.encode(" " + w, add_special_tokens=False)) == 1:
-                words.append(w)
-            if len(words) >= 2000:
-                break
-        if len(words) < 50:
-            raise ValueError("tokenizer: too few single-token words to build prompts")
-        _WORDS[key] = words
-    return _WORDS[key]
-
-
-def build_prompt(n_tokens: int, rng: np.random.Generator, tokenizer: Any = None) -> tuple[str | None, list[int] | None]:
-    """(text, None) re-encoding to exactly n_tokens with a tokenizer, else (None, random ids)."""
-    if tokenizer is None:
-        return None, rng.integers(*ORDINARY_IDS, size=n_tokens).tolist()
-    words = _one_token_words(tokenizer)
-    picks = [words[i] for i in rng.integers(0, len(words), size=n_tokens)]
-    text = " " + " ".join(picks)  # leading space: every word is its " word" token
-    for _ in range(8):  # merges across words are rare; trim or pad until exact
-        m = len(tokenizer.encode(text, add_special_tokens=False))
-        if m == n_tokens:
-            return text, None
-        if m > n_tokens:
-            text = text.rsplit(" ", m - n_tokens)[0] if " " in text.strip() else text
-        else:
-            text += " " + " ".join(words[i] for i in rng.integers(0, len(words), size=n_tokens - m))
-    raise ValueError(f"could not build a prompt of exactly {n_tokens} tokens with this tokenizer")

@@ -12,6 +12,14 @@ pairs), least squares with non-negative slopes. The regressors (`core.latency.fe
 the model that reads the saved file back (`core.latency.ProfiledLatencyModel`) live in the
 core, which needs the file and not the runner; this module is the tool that drives a live
 ModelRunner to measure it, so it sits beside the runner.
+
+Measurement: every step of the plan is timed once per round (each time the median of `reps`
+runs after a warm-up), `rounds` rounds, each in a fresh random order, and a step's time is
+the median of its rounds; its spread, (max - min) / median, says how much the machine
+disturbed it. The knee is the smallest decode batch that no larger one beats by `min_gain`
+of throughput (`knee`), read off the measured medians. The report warns when the fit's
+relative error or a step's spread is large. `measure` and `analyse` take any timing
+function, so all of this is tested without a model.
 """
 from __future__ import annotations
 
@@ -19,6 +27,7 @@ import json
 import logging
 import statistics
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -34,6 +43,8 @@ KNEE_CANDIDATES = (4, 8, 16, 32, 64, 128)
 TINY_MODEL = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048}
 _GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
+FIT_WARN_MEAN, FIT_WARN_MAX = 0.10, 0.30  # relative fit errors past which the report warns
+SPREAD_WARN = 0.25  # a point whose rounds differ by more than this (of its median) is noisy
 
 
 def fit(rows: list[list[float]], times: list[float]) -> list[float]:
@@ -122,8 +133,86 @@ def grid(quick: bool) -> tuple[list[int], list[int], list[int]]:
     return [16, 64, 256, 512], [1, 2, 4, 8, 16, 32, 64, 128], [128, 512, 1024]
 
 
-def run_profile(config: EngineConfig, quick: bool = False, reps: int = 3) -> dict:
-    """Measure, fit and summarise; returns the JSON-ready profile."""
+Point = tuple[list[tuple[int, int]], list[int]]  # (prompt chunks (start, n), decode contexts)
+TimeFn = Callable[[list[tuple[int, int]], list[int]], "float | None"]
+
+
+def plan(prefill_sizes: list[int], batch_sizes: list[int], contexts: list[int]) -> list[Point]:
+    """The steps to time: prompt chunks alone (first and later chunks), decode batches of each
+    size at each context (the throughput curves), and mixed steps as chunked / continuous run."""
+    pts: list[Point] = []
+    for p in prefill_sizes:
+        pts += [([(0, p)], []), ([(contexts[0], p)], [])]  # a later chunk: attention over earlier context
+    pts += [([], [c] * b) for c in contexts for b in batch_sizes]
+    pts += [([(0, p)], [contexts[0]] * b) for p in prefill_sizes[:2] for b in batch_sizes[1::2]]
+    return pts
+
+
+def measure(points: list[Point], time_fn: TimeFn, rounds: int, seed: int = 0) -> list[tuple[Point, list[float]]]:
+    """Every point timed once per round, each round in a fresh random order: a slow spell of
+    the machine then lands on different points in different rounds, where one small-to-large
+    pass puts all of it on whichever sizes ran during it. `time_fn` returns seconds, or None
+    for a step that does not fit (dropped). Returns (point, [seconds per round])."""
+    if rounds < 1:
+        raise ValueError(f"profile: rounds must be >= 1, got {rounds}")
+    rng = np.random.default_rng(seed)
+    times: dict[int, list[float]] = {i: [] for i in range(len(points))}
+    for _ in range(rounds):
+        for i in rng.permutation(len(points)):
+            if i in times:
+                t = time_fn(*points[i])
+                if t is None:
+                    del times[i]
+                else:
+                    times[i].append(t)
+    return [(points[i], ts) for i, ts in sorted(times.items())]
+
+
+def spread(ts: list[float]) -> float:
+    """(max - min) / median of one point's rounds: 0 on a quiet machine."""
+    return (max(ts) - min(ts)) / statistics.median(ts)
+
+
+def analyse(measured: list[tuple[Point, list[float]]], min_gain: float = 0.15) -> dict:
+    """Fit, knee and warnings from measured points (their per-round medians). The knee is read
+    off the decode throughput (batch / step time) at the smallest context: `knee(min_gain)`."""
+    samples = [{"prefills": pre, "decode_ctx": dec, "seconds": statistics.median(ts), "rounds": ts,
+                "spread": spread(ts)} for (pre, dec), ts in measured]
+    row_knee, coef, errs = fit_with_knee(samples)
+    curves: dict[int, list[dict]] = {}
+    for s in samples:
+        if not s["prefills"] and s["decode_ctx"]:
+            b = len(s["decode_ctx"])
+            curves.setdefault(s["decode_ctx"][0], []).append(
+                {"batch": b, "step_s": s["seconds"], "tokens_per_s": b / s["seconds"], "spread": s["spread"]})
+    for pts in curves.values():
+        pts.sort(key=lambda p: p["batch"])
+    ref = min(curves)
+    sizes, tput = [p["batch"] for p in curves[ref]], [p["tokens_per_s"] for p in curves[ref]]
+    mean_err, max_err = float(np.mean(errs)), float(np.max(errs))
+    warnings = []
+    if mean_err > FIT_WARN_MEAN or max_err > FIT_WARN_MAX:
+        warnings.append(f"fit error is large (mean {mean_err:.1%}, max {max_err:.1%}; warn above "
+                        f"{FIT_WARN_MEAN:.0%} / {FIT_WARN_MAX:.0%}): predictions from this profile are off by as much")
+    noisy = [s for s in samples if s["spread"] > SPREAD_WARN]
+    if noisy:
+        warnings.append(f"{len(noisy)} of {len(samples)} steps varied by more than {SPREAD_WARN:.0%} across "
+                        f"rounds (worst {max(s['spread'] for s in noisy):.0%}): the machine was busy; "
+                        "rerun with more --rounds or on a quieter machine")
+    return {
+        "fit": {"terms": list(TERMS), "coef": dict(zip(TERMS, coef)), "context_len": ref, "row_knee": row_knee,
+                "mean_rel_error": mean_err, "max_rel_error": max_err},
+        "decode_curves": {str(c): pts for c, pts in sorted(curves.items())},
+        "knee": {"context_len": ref, "batch": knee(sizes, tput, min_gain), "min_gain": min_gain,
+                 "throughputs": dict(zip(map(str, sizes), tput))},
+        "rounds": max(len(ts) for _, ts in measured), "warnings": warnings, "samples": samples,
+    }
+
+
+def run_profile(config: EngineConfig, quick: bool = False, reps: int = 3, rounds: int = 3, seed: int = 0,
+                min_gain: float = 0.15) -> dict:
+    """Measure (`rounds` interleaved rounds, each point the median of `reps` steps), fit and
+    summarise; returns the JSON-ready profile."""
     from batchserve.runner.loader import load_model
     from batchserve.runner.model_runner import ModelRunner, kv_bytes_per_block
 
@@ -131,61 +220,49 @@ def run_profile(config: EngineConfig, quick: bool = False, reps: int = 3) -> dic
     runner = ModelRunner(loaded, config.model, config.cache)
     prefill_sizes, batch_sizes, contexts = grid(quick)
     contexts = [c for c in contexts if c < runner.max_model_len]
-    samples: list[dict] = []
 
-    def measure(prefills: list[tuple[int, int]], decode_ctx: list[int]) -> float | None:
+    def time_fn(prefills: list[tuple[int, int]], decode_ctx: list[int]) -> float | None:
         batch = build_batch(runner, prefills, decode_ctx)
         if batch is None:
             return None
         t = time_step(runner, batch, reps)
-        samples.append({"prefills": prefills, "decode_ctx": decode_ctx, "seconds": t})
         log.debug("prefills %s, %d decodes at %s: %.2f ms", prefills, len(decode_ctx),
                   decode_ctx[0] if decode_ctx else "-", t * 1e3)
         return t
 
-    for p in prefill_sizes:
-        measure([(0, p)], [])
-        measure([(contexts[0], p)], [])  # a later chunk: attention over earlier context
-    curves: dict[int, list[tuple[int, float]]] = {}
-    for c in contexts:
-        for b in batch_sizes:
-            t = measure([], [c] * b)
-            if t is not None:
-                curves.setdefault(c, []).append((b, t))
-    for p in prefill_sizes[:2]:  # mixed steps, as chunked / continuous run them
-        for b in batch_sizes[1::2]:
-            measure([(0, p)], [contexts[0]] * b)
-    row_knee, coef, errs = fit_with_knee(samples)
-    ref = contexts[0]
-    sizes = [b for b, _ in curves[ref]]
-    tput = [b / t for b, t in curves[ref]]
+    prof = analyse(measure(plan(prefill_sizes, batch_sizes, contexts), time_fn, rounds, seed), min_gain)
     bs = config.cache.block_size
     return {
         "model": loaded.name, "device": config.model.device, "dtype": config.model.dtype,
         "block_size": bs, "num_blocks": runner.num_blocks, "max_model_len": runner.max_model_len,
         "kv_bytes_per_token": kv_bytes_per_block(runner.cfg, bs, runner.kv_dtype) // bs,
-        "fit": {"terms": list(TERMS), "coef": dict(zip(TERMS, coef)), "context_len": ref, "row_knee": row_knee,
-                "mean_rel_error": float(np.mean(errs)), "max_rel_error": float(np.max(errs))},
-        "max_batch_by_context": {str(c): runner.num_blocks // -(-c // bs) for c in contexts},
-        "decode_curves": {str(c): [{"batch": b, "step_s": t, "tokens_per_s": b / t} for b, t in pts]
-                          for c, pts in curves.items()},
-        "knee": {"context_len": ref, "batch": knee(sizes, tput), "throughputs": dict(zip(map(str, sizes), tput))},
-        "samples": samples,
+        "max_batch_by_context": {str(c): runner.num_blocks // -(-c // bs) for c in contexts}, **prof,
     }
 
 
 def report(prof: dict) -> str:
-    """A short human summary of a profile."""
-    f = prof["fit"]
+    """A short human summary of a profile: the fit and its error, each throughput point with
+    its spread across rounds, the knee and what it means for --max-num-seqs, then warnings."""
+    from batchserve.config import SchedulerConfig
+
+    f, k = prof["fit"], prof["knee"]
+    curve = prof["decode_curves"].get(str(k["context_len"]), [])
     lines = [f"model {prof['model']} on {prof['device']} ({prof['dtype']}), KV pool {prof['num_blocks']} blocks "
              f"x {prof['block_size']} tokens",
              "step time = " + " + ".join(f"{v * 1e3:.4g} ms x {t}" for t, v in f["coef"].items()),
              f"fit error: mean {f['mean_rel_error']:.1%}, max {f['max_rel_error']:.1%} over "
-             f"{len(prof['samples'])} steps",
+             f"{len(prof['samples'])} steps, {prof.get('rounds', 1)} interleaved rounds each",
              "max batch that fits the KV cache: " + ", ".join(
-                 f"{v} at {k} tokens" for k, v in prof["max_batch_by_context"].items()),
-             f"knee of decode throughput at context {prof['knee']['context_len']}: batch {prof['knee']['batch']} ("
-             + ", ".join(f"{b}: {t:.0f} tok/s" for b, t in prof["knee"]["throughputs"].items()) + ")"]
+                 f"{v} at {c} tokens" for c, v in prof["max_batch_by_context"].items()),
+             f"decode throughput at context {k['context_len']} (median tok/s, spread across rounds): " + ", ".join(
+                 f"{p['batch']}: {p['tokens_per_s']:.0f} ({p.get('spread', 0):.0%})" for p in curve),
+             f"knee: batch {k['batch']} (no larger batch adds {k.get('min_gain', 0.15):.0%} or more throughput)"]
+    default = SchedulerConfig.max_num_seqs
+    if k["batch"] != default:
+        lines.append(f"the engine's default --max-num-seqs is {default}, a fixed setting that no profile changes: "
+                     f"pass --max-num-seqs {k['batch']}, or --latency-profile FILE (the dynamic policy caps "
+                     "its batch at the knee)")
+    lines += [f"WARNING: {w}" for w in prof.get("warnings", [])]
     return "\n".join(lines)
 
 
@@ -194,4 +271,5 @@ def save(prof: dict, path: str) -> None:
         json.dump(prof, f, indent=1)
 
 
-__all__ = ["TINY_MODEL", "fit", "fit_with_knee", "knee", "report", "run_profile", "save"]
+__all__ = ["TINY_MODEL", "analyse", "fit", "fit_with_knee", "knee", "measure", "plan", "report", "run_profile",
+           "save"]

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from batchserve.bench.metrics import RequestRecord, span_s, summarize
+from batchserve.bench.metrics import SLO, RequestRecord, span_s, summarize
 from batchserve.bench.workload import WorkItem
 from batchserve.config import EngineConfig
 from batchserve.core.batch import StepRecord
@@ -93,7 +93,8 @@ class ClusterSimulator:
                  decode: int = 0, routing: str = "rank", seed: int = 0, num_blocks: int | None = None,
                  link_bytes_per_s: float = LINK_BYTES_PER_S, link_latency_s: float = LINK_LATENCY_S,
                  kv_bytes: int | None = None, token_times: bool = True, idle_poll_s: float = IDLE_POLL_S,
-                 slo_ms: float | None = None, max_idle_polls: int = 1_000_000) -> None:
+                 slo_ms: float | None = None, slo: SLO | None = None,
+                 class_slo: dict[str, SLO] | None = None, max_idle_polls: int = 1_000_000) -> None:
         if routing not in ROUTINGS:
             raise ValueError(f"routing: choose from {ROUTINGS}, got {routing!r}")
         if (prefill > 0) != (decode > 0):
@@ -113,6 +114,7 @@ class ClusterSimulator:
         self.token_times = token_times
         self.idle_poll_s = idle_poll_s
         self.slo_ms = slo_ms
+        self.slo, self.class_slo = slo, class_slo
         self.max_idle_polls = max_idle_polls
         self.prefix_routing = config.cache.prefix_caching  # entry (prefill) engines only, as the router does
         specs = layout(config, replicas, prefill, decode)
@@ -170,7 +172,7 @@ class ClusterSimulator:
                        max_idle_polls=self.max_idle_polls, link=link, on_step=on_step, on_delivered=on_delivered)
         order = loop.run()
         duration = span_s(order) if order else 0.0
-        summary = summarize(order, duration, self.slo_ms) if duration > 0 else {}
+        summary = summarize(order, duration, self.slo_ms, self.slo, self.class_slo) if duration > 0 else {}
         window = last_arrival - first_arrival
         engines = [self._engine_stats(n, busy_arriving[n.key], duration, window) for n in self.nodes]
         handoff = dict(loop.handoff)

@@ -15,7 +15,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from batchserve.bench.workload import WorkItem, make_workload
+from batchserve.bench.metrics import SLO, parse_slo_args
+from batchserve.bench.search import RateSearch, find_max_rate, search_line
+from batchserve.bench.workload import WorkItem, class_slos, make_workload, mix_classes
 from batchserve.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
 from batchserve.sim.cost import CostModel, make_cost_model
 from batchserve.sim.simulator import SimResult, Simulator
@@ -57,8 +59,9 @@ class SweepSpec:
         return SweepSpec(name, values)
 
 
-def sweep(spec: SweepSpec, config: EngineConfig, cost: CostModel, workload: dict[str, Any],
-          slo_ms: float) -> tuple[list[dict[str, Any]], dict[str, Any] | None, list[SimResult]]:
+def sweep(spec: SweepSpec, config: EngineConfig, cost: CostModel, workload: dict[str, Any], slo_ms: float,
+          slo: SLO | None = None, class_slo: dict[str, SLO] | None = None
+          ) -> tuple[list[dict[str, Any]], dict[str, Any] | None, list[SimResult]]:
     """Run every value; the best is, among runs whose P99 end-to-end latency meets `slo_ms`
     and that completed >= 99% of their requests, the one with the most goodput (a rate
     sweep: the highest rate that still meets the SLO)."""
@@ -70,19 +73,38 @@ def sweep(spec: SweepSpec, config: EngineConfig, cost: CostModel, workload: dict
             wl["rate"] = v
         else:
             cfg = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, **{spec.field: v}))
-        res = simulate(cfg, cost, make_workload(**wl), slo_ms=slo_ms)
+        res = simulate(cfg, cost, make_workload(**wl), slo_ms=slo_ms, slo=slo, class_slo=class_slo)
         results.append(res)
         s = res.summary
         p99 = s["latency"]["e2e_ms"]["p99"]
         done = s["n_ok"] / max(1, s["n_requests"])
         rows.append({spec.field: v, "rate": wl["rate"], "throughput_rps": s["throughput_rps"],
-                     "goodput_rps": s["goodput_rps"], "output_tokens_per_s": s["output_tokens_per_s"],
+                     "goodput_rps": s["goodput_rps"], "attainment": s["goodput_frac"],
+                     "output_tokens_per_s": s["output_tokens_per_s"],
                      "e2e_p50_ms": s["latency"]["e2e_ms"]["p50"], "e2e_p99_ms": p99,
                      "ttft_p99_ms": s["latency"]["ttft_ms"]["p99"], "completed": done,
                      "meets_slo": p99 is not None and p99 <= slo_ms and done >= 0.99})
     ok = [r for r in rows if r["meets_slo"]]
     key = (lambda r: r["rate"]) if spec.field == "rate" else (lambda r: (r["goodput_rps"], -r["e2e_p99_ms"]))
     return rows, (max(ok, key=key) if ok else None), results
+
+
+def find_max_goodput(config: EngineConfig, cost: CostModel, workload: dict[str, Any], target: float,
+                     slo_ms: float | None = None, slo: SLO | None = None, class_slo: dict[str, SLO] | None = None,
+                     **search_kw: Any) -> tuple[RateSearch, dict[float, SimResult]]:
+    """`bench.search.find_max_rate` over simulated runs of `workload` (make_workload's
+    arguments; its "rate" is where the search starts), judged by the SLOs given: the same
+    search and the same attainment `bench --find-max-goodput` uses. Returns the search and
+    every run by rate."""
+    runs: dict[float, SimResult] = {}
+
+    def attainment_at(rate: float) -> float:
+        res = simulate(config, cost, make_workload(**{**workload, "rate": rate}), slo_ms=slo_ms, slo=slo,
+                       class_slo=class_slo)
+        runs[rate] = res
+        return res.summary.get("goodput_frac") or 0.0
+
+    return find_max_rate(attainment_at, target, workload["rate"], **search_kw), runs
 
 
 def format_summary(s: dict[str, Any], title: str = "") -> str:
@@ -97,15 +119,23 @@ def format_summary(s: dict[str, Any], title: str = "") -> str:
     lines += [f"requests {s['n_requests']}  ok {s['n_ok']}  rejected {s['n_rejected']}  timeout {s['n_timeout']}"
               f"  errors {s['n_errors']}   span {s['duration_s']:.1f} s (virtual)",
               f"throughput {s['throughput_rps']:.2f} req/s  {s['output_tokens_per_s']:.0f} tok/s  "
-              f"goodput {s['goodput_rps']:.2f} req/s",
+              f"goodput {s['goodput_rps']:.2f} req/s  attainment {100 * (s['goodput_frac'] or 0):.1f}%",
               f"TTFT ms p50/p90/p99 {d('ttft_ms')}   TPOT {d('tpot_ms')}   E2E {d('e2e_ms')}"]
     for cls, c in s["per_class"].items():
         if len(s["per_class"]) > 1:
             e = c["latency"]["e2e_ms"]
             p = "-" if e["p50"] is None else f"{e['p50']:.0f} / {e['p99']:.0f}"
             lines.append(f"  {cls:<10} n={c['n_requests']:<6} ok={c['n_ok']:<6} E2E p50/p99 {p} ms  "
-                         f"timeouts {c['n_timeout']} rejected {c['n_rejected']}")
+                         f"timeouts {c['n_timeout']} rejected {c['n_rejected']}  goodput {c['goodput_rps']:.2f}"
+                         f" req/s ({100 * (c['goodput_frac'] or 0):.1f}%)")
     return "\n".join(lines)
+
+
+def padding_note(stats: dict[str, Any]) -> str:
+    """What a request-level policy's padding figure is: counted, never run or costed."""
+    return (f"padding: {100 * stats['padding_fraction']:.0f}% of a padded batch's tokens would be padding; "
+            "accounted only: the steps were simulated (and costed) unpadded, so the numbers above are better "
+            "than a padded implementation's")
 
 
 def format_sweep(spec: SweepSpec, rows: list[dict[str, Any]], best: dict[str, Any] | None, slo_ms: float) -> str:
@@ -144,20 +174,40 @@ def run_cli(a: Any, config: EngineConfig) -> int:
     cost = make_cost_model(a.hardware, a.profile, a.model, 4 if a.dtype == "float32" else 2, a.max_model_len,
                            **({"kv_cache_gb": kv_gb} if a.profile else {}))
     slo = a.slo_ms if a.slo_ms is not None else config.scheduler.slo_p99_ms
+    glob, per = parse_slo_args(a.slo or [])
+    per = {**class_slos(mix_classes(a.trace or a.workload)), **per}
+    # an explicit --slo replaces the engine's P99 target as goodput's E2E limit (--sweep still ranks by it)
+    limit = None if a.slo and a.slo_ms is None else slo
+    if not 0 < a.target_attainment <= 100:
+        raise ConfigError(f"--target-attainment is a percentage in (0, 100], got {a.target_attainment:g}")
     arrival_kw: dict[str, Any] = json.loads(a.arrival_args) if a.arrival_args else {}
     if a.burstiness is not None:
         arrival_kw["burstiness"] = a.burstiness
-    workload = {"name_or_file": a.workload, "n": a.requests or DEFAULT_REQUESTS, "rate": a.rate, "seed": a.seed,
-                "arrival": a.arrival, "scale": a.scale, **arrival_kw}
-    meta = {"label": f"sim {config.scheduler.policy}", "cost": cost.describe(), "workload": a.workload,
+    workload = {"name_or_file": a.trace or a.workload, "n": a.requests or DEFAULT_REQUESTS,
+                "rate": 0.0 if a.time_scale is not None else a.rate, "seed": a.seed, "arrival": a.arrival,
+                "scale": a.scale, "trace_format": a.trace_format, "time_scale": a.time_scale, **arrival_kw}
+    meta = {"label": f"sim {config.scheduler.policy}", "cost": cost.describe(), "workload": workload["name_or_file"],
             "requests": workload["n"], "seed": a.seed, "arrival": a.arrival, "arrival_args": arrival_kw,
-            "scale": a.scale, "slo_ms": slo, "policy": config.scheduler.policy,
+            "scale": a.scale, "slo_ms": limit, "slo": glob.targets() if glob else {},
+            "class_slo": {k: v.targets() for k, v in per.items()}, "policy": config.scheduler.policy,
             "scheduler": dataclasses.asdict(config.scheduler), "block_size": config.cache.block_size}
     print(f"{cost.name}: {cost.num_blocks(config.cache.block_size)} KV blocks of {config.cache.block_size} "
           f"tokens; policy {config.scheduler.policy}", file=sys.stderr)
+    if a.find_max_goodput:
+        found, runs = find_max_goodput(config, cost, workload, a.target_attainment / 100.0, limit, glob, per)
+        best = runs.get(found.best) if found.best is not None else None
+        meta["search"] = {"target_attainment": found.target, "best_rate": found.best, "bracketed": found.bracketed,
+                          "goodput_rps": best.summary["goodput_rps"] if best else None,
+                          "probes": [{"rate": r, "attainment": x} for r, x in found.probes]}
+        print(search_line(meta["search"]))
+        if best is not None:
+            print(format_summary(best.summary, f"at {found.best:.3g} req/s"))
+        if a.out:
+            print(f"wrote {write_outputs(a.out, sorted(runs.items()), meta)}", file=sys.stderr)
+        return 0
     if a.sweep:
         spec = SweepSpec.parse(a.sweep)
-        rows, best, results = sweep(spec, config, cost, workload, slo)
+        rows, best, results = sweep(spec, config, cost, workload, slo, glob, per)
         print(format_sweep(spec, rows, best, slo))
         if a.out:
             if spec.field == "rate":
@@ -173,11 +223,14 @@ def run_cli(a: Any, config: EngineConfig) -> int:
             print(f"wrote {a.out}/", file=sys.stderr)
         return 0
     items = make_workload(**workload)
-    res = simulate(config, cost, items, slo_ms=slo, token_times=a.token_times)
-    print(format_summary(res.summary, f"{a.workload} x {len(items)} at {a.rate:g} req/s, "
+    res = simulate(config, cost, items, slo_ms=limit, token_times=a.token_times, slo=glob, class_slo=per)
+    at = f"time scale {a.time_scale:g}" if a.time_scale is not None else f"{a.rate:g} req/s"
+    print(format_summary(res.summary, f"{workload['name_or_file']} x {len(items)} at {at}, "
                                       f"policy {config.scheduler.policy}, {cost.name}"))
     busy = res.busy_s / max(res.summary["duration_s"], 1e-9)
     print(f"[{res.num_steps} steps, GPU busy {100 * busy:.0f}%, simulated in {res.wall_s:.2f} s]", file=sys.stderr)
+    if res.engine_stats.get("padding_tokens"):
+        print(padding_note(res.engine_stats))
     if a.out:
         print(f"wrote {write_outputs(a.out, [(a.rate, res)], meta)} and the records, table and plots",
               file=sys.stderr)

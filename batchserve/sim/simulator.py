@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from batchserve.bench.metrics import RequestRecord, span_s, summarize
+from batchserve.bench.metrics import SLO, RequestRecord, span_s, summarize
 from batchserve.bench.workload import WorkItem
 from batchserve.config import EngineConfig
 from batchserve.core.batch import StepRecord
@@ -47,11 +47,13 @@ def _only_node(stage: str, priority: int, ids: list[int]) -> list[int]:
 class Simulator:
     """Runs a workload through a fresh engine built from `config` over a SimExecutor: the
     loop over one node, which every arrival is routed to. `engine`, `executor` and `clock`
-    are that node's, for callers that drive or inspect the engine directly."""
+    are that node's, for callers that drive or inspect the engine directly. `slo_ms`, `slo`
+    and `class_slo` are `bench.metrics.summarize`'s: the summary's goodput and attainment."""
 
     def __init__(self, config: EngineConfig, cost: CostModel, *, num_blocks: int | None = None,
                  token_times: bool = True, timeline_dt: float = 0.1, record_batches: bool = False,
-                 idle_poll_s: float = IDLE_POLL_S, slo_ms: float | None = None,
+                 idle_poll_s: float = IDLE_POLL_S, slo_ms: float | None = None, slo: SLO | None = None,
+                 class_slo: dict[str, SLO] | None = None,
                  max_idle_polls: int = 1_000_000) -> None:
         self.config = config
         self.cost = cost
@@ -61,6 +63,7 @@ class Simulator:
         self.timeline_dt = timeline_dt
         self.idle_poll_s = idle_poll_s
         self.slo_ms = slo_ms
+        self.slo, self.class_slo = slo, class_slo
         self.max_idle_polls = max_idle_polls
 
     def run(self, items: Sequence[WorkItem]) -> SimResult:
@@ -84,7 +87,7 @@ class Simulator:
                        idle_poll_s=self.idle_poll_s, max_idle_polls=self.max_idle_polls, on_step=on_step)
         order = loop.run()
         duration = span_s(order) if order else 0.0
-        summary = summarize(order, duration, self.slo_ms) if duration > 0 else {}
+        summary = summarize(order, duration, self.slo_ms, self.slo, self.class_slo) if duration > 0 else {}
         return SimResult(order, summary, ex.num_steps, ex.busy_time, time.perf_counter() - wall0,
                          timeline, batches, self._engine_stats())
 
