@@ -21,6 +21,10 @@ mean and coefficient of variation, rounded and clipped to [1, 4 x mean]):
   5, soft deadline 5 s, 20%), low (priority 1, no deadline, 70%: the flood); prompt 64,
   output 32. Pair it with arrival="step" for the seed's 7.5x surge. `deadline_scale` scales
   every deadline (e.g. to the hardware being simulated).
+- `surge` (the priority flood as measured against vLLM on a 2-core CPU): high (priority 9, 18%,
+  first token within 1 s and a hard 6 s deadline), mid (priority 5, 20%, a soft 6 s deadline),
+  low (priority 1, 62%); prompt 64, output 48, CV 0.5. With arrival="step" and factors
+  (0.5, 3, 0.5) of the rate the machine sustains: half load, a 3x surge, back.
 
 A mix is a sequence of `RequestClass`: a name, a share (weights, normalised), lengths, a
 priority, a deadline and its kind, and an SLO by which `bench.metrics` judges its requests;
@@ -124,6 +128,9 @@ MIXES: dict[str, tuple[float, tuple[RequestClass, ...]]] = {  # name -> (default
     "priority-flood": (1.0, (RequestClass("high", 0.1, 64, 32, 0.3, 9, 2000.0, "hard"),
                              RequestClass("mid", 0.2, 64, 32, 0.3, 5, 5000.0, "soft"),
                              RequestClass("low", 0.7, 64, 32, 0.3, 1))),
+    "surge": (1.0, (RequestClass("high", 0.18, 64, 48, 0.5, 9, 6000.0, "hard", slo=SLO(ttft_ms=1000)),
+                    RequestClass("mid", 0.2, 64, 48, 0.5, 5, 6000.0, "soft"),
+                    RequestClass("low", 0.62, 64, 48, 0.5, 1))),
 }
 
 
