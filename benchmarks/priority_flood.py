@@ -31,10 +31,13 @@ import os
 import platform
 import sys
 import tempfile
+import time
 from dataclasses import replace
 from typing import Any, Iterator
 
+import httpx
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 from batchserve.bench.client import ClientConfig, run
 from batchserve.bench.metrics import RequestRecord, percentile
@@ -171,6 +174,12 @@ def measure(system: str, rng_seed: int, quick: bool, vllm, model_dir) -> dict[st
     scale = 0.5 if quick else 1.0
     out: dict[str, Any] = {"system": system}
     with server(system, vllm, model_dir) as url:
+        if system != "vllm":  # a fresh server refuses an impossible hard deadline at once
+            t0 = time.perf_counter()
+            r = httpx.post(url + "/v1/completions", json={"model": "default", "prompt": [1, 2, 3], "max_tokens": 200,
+                                                          "ignore_eos": True, "deadline_ms": 5, "deadline_kind": "hard"})
+            out["first_refusal_ms"] = 1000 * (time.perf_counter() - t0)
+            out["first_refusal_status"] = r.status_code
         send(url, items(np.zeros(4), rng), system)  # warm the server and its client path
         burst = items(np.zeros(48), rng)
         recs, secs = send(url, burst, system)
@@ -183,8 +192,14 @@ def measure(system: str, rng_seed: int, quick: bool, vllm, model_dir) -> dict[st
         arr = np.concatenate([poisson(0.5 * cap, 15 * scale, rng), poisson(3 * cap, 10 * scale, rng, 15 * scale),
                               poisson(0.5 * cap, 15 * scale, rng, 25 * scale)])
         flood = with_deadlines(items(arr, rng), slo, system != "vllm")
+        before = scrape(url)
         recs, _ = send(url, flood, system)
         out["flood"] = flood_summary(recs, slo, cap, 40 * scale)
+        after = scrape(url)
+        computed = after.get("computed_tokens", 0) - before.get("computed_tokens", 0)
+        if computed:
+            out["flood"]["wasted_on_hard_misses"] = (after.get("deadline_wasted_tokens", 0)
+                                                     - before.get("deadline_wasted_tokens", 0)) / computed
         # the running set full: 16 long low answers, then 8 short high ones 2 s later
         full = [WorkItem(0.0, 32, None, build_prompt(32, rng)[1], 400, priority=1, cls="low") for _ in range(SEATS)]
         full += [WorkItem(2.0, 32, None, build_prompt(32, rng)[1], 8, priority=9, cls="high") for _ in range(8)]
@@ -198,6 +213,21 @@ def measure(system: str, rng_seed: int, quick: bool, vllm, model_dir) -> dict[st
                 for w in items(poisson(2 * cap, 15 * scale, rng), rng)]
         recs, _ = send(url, soft, system)
         out["soft_on_time"] = sum(r.ok and e2e(r) <= 1.05 * slo["deadline_ms"] / 1000 for r in recs) / max(1, len(recs))
+    return out
+
+
+def scrape(url: str) -> dict[str, float]:
+    """batchserve's token counters, summed over levels ({} for a server without them)."""
+    out: dict[str, float] = {}
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return out
+    for fam in text_string_to_metric_families(text):
+        for sm in fam.samples:
+            for key in ("computed_tokens", "deadline_wasted_tokens"):
+                if sm.name == f"batchserve:{key}_total":
+                    out[key] = out.get(key, 0.0) + sm.value
     return out
 
 
@@ -223,10 +253,14 @@ def report(results: list[dict], cmdline: str) -> str:
     row("high TTFT P99 (ms)", lambda r: f"{r['flood']['high_ttft_p99_ms']:.0f}")
     row("mid (soft) on time", lambda r: f"{100 * r['flood']['mid_on_time']:.1f} %")
     row("timeouts, all requests", lambda r: f"{100 * r['flood']['timeouts']:.1f} %")
+    row("computed tokens spent on requests that then missed a hard deadline",
+        lambda r: f"{100 * r['flood']['wasted_on_hard_misses']:.2f} %" if "wasted_on_hard_misses" in r["flood"] else "—")
     row("SLO goodput (high + mid) / capacity", lambda r: f"{r['flood']['goodput_per_capacity']:.2f}")
     row("running set full: high TTFT p50 / max (ms)",
         lambda r: f"{r['full_high_ttft_ms']['p50']:.0f} / {r['full_high_ttft_ms']['max']:.0f}")
     row("soft deadlines at 2x capacity: on time", lambda r: f"{100 * r['soft_on_time']:.1f} %")
+    row("fresh server: an impossible hard deadline refused in (ms)",
+        lambda r: f"{r['first_refusal_ms']:.0f} ({r['first_refusal_status']})" if "first_refusal_ms" in r else "—")
     lines += ["", "```json", json.dumps(results, indent=1), "```", ""]
     return "\n".join(lines)
 
