@@ -175,8 +175,9 @@ def measure(system: str, rng_seed: int, quick: bool, vllm, model_dir) -> dict[st
     out: dict[str, Any] = {"system": system}
     with server(system, vllm, model_dir) as url:
         if system != "vllm":  # a fresh server refuses an impossible hard deadline at once
+            model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
             t0 = time.perf_counter()
-            r = httpx.post(url + "/v1/completions", json={"model": "default", "prompt": [1, 2, 3], "max_tokens": 200,
+            r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": [1, 2, 3], "max_tokens": 200,
                                                           "ignore_eos": True, "deadline_ms": 5, "deadline_kind": "hard"})
             out["first_refusal_ms"] = 1000 * (time.perf_counter() - t0)
             out["first_refusal_status"] = r.status_code
