@@ -9,6 +9,16 @@ from dataclasses import dataclass, field
 
 MIN_PRIORITY, MAX_PRIORITY = 0, 10
 DEFAULT_PRIORITY = 5  # the priority of a request that names none; higher is more urgent
+MAX_INT32 = 2**31 - 1  # the largest max_tokens / top_k / token id a request may name
+MAX_STOPS, MAX_STOP_CHARS = 16, 1000
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 class RequestError(ValueError):
@@ -77,19 +87,26 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        """Raise RequestError naming the first bad field."""
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise RequestError("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 2.0:
+        """Raise RequestError naming the first bad field. Every field is bounded here, so that
+        a value that passes can never fail in the sampler (on the engine thread, inside a step
+        other requests share): integers fit the int64 tensors the sampler builds, floats are
+        finite."""
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_INT32:
+            raise RequestError("max_tokens", f"must be an integer in [1, {MAX_INT32}], got {self.max_tokens!r}")
+        if not _is_num(self.temperature) or not 0.0 <= self.temperature <= 2.0:
             raise RequestError("temperature", f"must be a number in [0, 2], got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+        if not _is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise RequestError("top_p", f"must be a number in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            raise RequestError("top_k", f"must be an integer >= 0, got {self.top_k!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise RequestError("seed", f"must be an integer, got {self.seed!r}")
-        if not all(isinstance(s, str) and s for s in self.stop) or len(self.stop) > 16:
-            raise RequestError("stop", "must be up to 16 non-empty strings")
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= MAX_INT32:
+            raise RequestError("top_k", f"must be an integer in [0, {MAX_INT32}] (0: no cut), got {self.top_k!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not -2**63 <= self.seed < 2**63):
+            raise RequestError("seed", f"must be a 64-bit signed integer, got {self.seed!r}")
+        if (not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in self.stop)
+                or len(self.stop) > MAX_STOPS):
+            raise RequestError("stop", f"must be up to {MAX_STOPS} non-empty strings of up to {MAX_STOP_CHARS} "
+                               "characters")
+        if len(self.stop_token_ids) > 64 or not all(_is_int(t) and 0 <= t <= MAX_INT32 for t in self.stop_token_ids):
+            raise RequestError("stop_token_ids", f"must be up to 64 integers in [0, {MAX_INT32}]")
 
     @property
     def greedy(self) -> bool:

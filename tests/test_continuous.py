@@ -134,8 +134,11 @@ def test_oversized_request_is_refused_with_named_field(make_fake_engine):
     from batchserve.request import RequestError
 
     eng = make_fake_engine(num_blocks=4, block_size=4)
-    with pytest.raises(RequestError) as e:
+    with pytest.raises(RequestError) as e:  # 16 tokens of cache: the prompt alone does not fit
         eng.add_request(list(range(1, 20)), SamplingParams(max_tokens=4), now=0.0)
+    assert e.value.param == "prompt"
+    with pytest.raises(RequestError) as e:  # the prompt fits, not with its max_tokens
+        eng.add_request(list(range(1, 11)), SamplingParams(max_tokens=10), now=0.0)
     assert e.value.param == "max_tokens"
     with pytest.raises(RequestError) as e:
         eng.add_request([], SamplingParams(max_tokens=4), now=0.0)

@@ -220,15 +220,15 @@ class AsyncEngine(EngineClient):
         """One engine step; True if the model ran (or tried to)."""
         try:
             step = engine.step()
-        except StepFailed as e:  # a failed step fails its batch, not the server
-            log.exception("engine step failed")
-            engine.fail(e.request_ids, f"model step failed: {e}")
+        except StepFailed as e:  # failed outside the model (the executor's faults are isolated)
+            log.exception("engine step failed outside the model; failing requests %s", e.request_ids)
+            engine.fail(e.request_ids, "the engine step failed (the server log has the cause)")
             return True
-        except Exception as e:  # noqa: BLE001 - failed outside the model: end what it may have touched
-            log.exception("engine step failed")
+        except Exception:  # noqa: BLE001 - failed outside the model: end what it may have touched
             sched = engine.scheduler
-            engine.fail([r.request_id for r in sched.running] or list(sched.requests),
-                        f"model step failed: {type(e).__name__}: {e}")
+            rids = [r.request_id for r in sched.running] or list(sched.requests)
+            log.exception("engine step failed; failing requests %s", rids)
+            engine.fail(rids, "the engine step failed (the server log has the cause)")
             return True
         if step.ran is not None:
             self.num_steps += 1

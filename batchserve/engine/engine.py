@@ -50,11 +50,16 @@ class StepFailed(RuntimeError):
 
 def tokenize(tokenizer: Any | None, prompt: str | list[int] | None = None,
              messages: list[dict] | None = None) -> list[int]:
-    """A prompt (text or token ids) or chat messages (through the chat template) as token ids."""
+    """A prompt (text or token ids) or chat messages (through the chat template) as token ids.
+    Whatever the tokenizer or the template raises on an input is that input's fault: a
+    RequestError naming the field (a 400), not an exception out of the server."""
     if messages is not None:
         if tokenizer is None:
             raise RequestError("messages", "this model has no tokenizer / chat template")
-        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        try:
+            out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as e:  # noqa: BLE001 - e.g. a template that refuses this order of roles
+            raise RequestError("messages", f"cannot be put through the chat template ({type(e).__name__})") from None
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
     if isinstance(prompt, list):
         return prompt
@@ -62,7 +67,10 @@ def tokenize(tokenizer: Any | None, prompt: str | list[int] | None = None,
         raise RequestError("prompt", "must be a string or a list of token ids")
     if tokenizer is None:
         raise RequestError("prompt", "this model has no tokenizer; pass token ids")
-    return tokenizer.encode(prompt, add_special_tokens=False)
+    try:
+        return tokenizer.encode(prompt, add_special_tokens=False)
+    except Exception as e:  # noqa: BLE001 - e.g. text that is not valid Unicode
+        raise RequestError("prompt", f"cannot be tokenized ({type(e).__name__})") from None
 
 
 class LLMEngine:
@@ -84,6 +92,8 @@ class LLMEngine:
         self._held: dict[str, tuple[int, str]] = {}  # finished, not yet released: (n_new, text)
         self._ids = itertools.count()
         self.num_generated_tokens = 0
+        self.num_failed_steps = 0  # steps the executor raised on (then bisected)
+        self.num_isolated_requests = 0  # requests ended because the executor failed on them alone
 
     @classmethod
     def from_config(cls, config: EngineConfig, clock: Any | None = None) -> "LLMEngine":
@@ -112,21 +122,34 @@ class LLMEngine:
     def tokenize(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None) -> list[int]:
         return tokenize(self.tokenizer, prompt, messages)
 
-    def add(self, spec: RequestSpec, now: float | None = None) -> Request:
-        """Tokenize and queue a request. Raises RequestError naming the bad field, or
-        OverloadedError (HTTP 503) when its queue level is full and refuses new requests.
-        `now` (else `spec.arrival_time`, else the clock) is its arrival. A request that cannot
-        make its hard deadline, or one dropped from a full level for this one, ends in the
-        next step's outputs (finish reason "deadline" / "rejected", with `error`)."""
+    def prepare(self, spec: RequestSpec) -> RequestSpec:
+        """Tokenize a request and check it against the model and the cache: the spec with its
+        prompt as token ids and the max_tokens it will run with. Raises RequestError naming
+        the field to blame (the prompt when it alone does not fit, else max_tokens). It reads
+        only what does not change while the engine runs (tokenizer, context length, cache
+        size), so any thread may call it: a server does it off the engine thread."""
+        where = "messages" if spec.messages is not None else "prompt"
         ids = self.tokenize(spec.prompt, spec.messages)
         if not ids:
-            raise RequestError("messages" if spec.messages is not None else "prompt", "must not be empty")
+            raise RequestError(where, "must not be empty")
         params = spec.params
-        if spec.auto_max_tokens is not None:
+        if spec.auto_max_tokens is not None:  # no limit given: what the context leaves
             room = min(self.executor.max_model_len, self.kv.num_blocks * self.kv.block_size) - len(ids)
             params = dataclasses.replace(params, max_tokens=max(1, min(spec.auto_max_tokens, room)))
+        self._check(ids, params.max_tokens, where)
+        return dataclasses.replace(spec, prompt=ids, messages=None, params=params, auto_max_tokens=None)
+
+    def add(self, spec: RequestSpec, now: float | None = None, prepared: bool = False) -> Request:
+        """Tokenize and queue a request (`prepared`: `prepare` has already been done). Raises
+        RequestError naming the bad field, or OverloadedError (HTTP 503) when its queue level is
+        full and refuses new requests. `now` (else `spec.arrival_time`, else the clock) is its
+        arrival. A request that cannot make its hard deadline, or one dropped from a full level
+        for this one, ends in the next step's outputs (finish reason "deadline" / "rejected")."""
+        if not prepared:
+            spec = self.prepare(spec)
         at = spec.arrival_time if now is None else now
-        req = self._new_request(ids, params, at, spec.request_id, spec.priority, spec.deadline_ms, spec.deadline_kind)
+        req = self._new_request(spec.prompt, spec.params, at, spec.request_id, spec.priority, spec.deadline_ms,
+                                spec.deadline_kind)
         req.tenant = spec.tenant
         self.scheduler.add(req, req.arrival_time)
         if self.tokenizer is not None:
@@ -154,6 +177,7 @@ class LLMEngine:
             raise ValueError(f"KV hand-off: K/V for {None if kv is None else kv.shape[2]} positions, "
                              f"prompt has {len(prompt_ids)}")
         at = self.clock.now() if now is None else now
+        self._check(prompt_ids, params.max_tokens)
         req = self._new_request(prompt_ids, params, at if arrival is None else arrival, request_id, priority,
                                 deadline_ms, deadline_kind)
         req.output_token_ids.append(first_token)
@@ -172,20 +196,28 @@ class LLMEngine:
             detokenize_step(self._decode, req.output_token_ids, st)  # its text went out from the prefill side
         return req
 
-    def _new_request(self, ids: list[int], params: SamplingParams, now: float | None, request_id: str | None,
-                     priority: int, deadline_ms: float | None, deadline_kind: str | None) -> Request:
-        """Check a tokenized request against the model and the cache; build it."""
+    def _check(self, ids: list[int], max_tokens: int, where: str = "prompt") -> None:
+        """RequestError unless the token ids are the model's and prompt plus max_tokens fit
+        both the context and the cache; `where` names the prompt's field."""
         vocab = getattr(getattr(self.executor, "cfg", None), "vocab_size", None)
         if vocab is not None and any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise RequestError("prompt", f"token ids must be integers in [0, {vocab})")
-        limit = self.executor.max_model_len
-        if len(ids) + params.max_tokens > limit:
-            raise RequestError("max_tokens", f"prompt ({len(ids)} tokens) plus max_tokens "
-                               f"({params.max_tokens}) exceeds the model's context of {limit} tokens")
-        need = self.kv.blocks_for(len(ids) + params.max_tokens)
+        limit, n = self.executor.max_model_len, len(ids)
+        if n >= limit:
+            raise RequestError(where, f"is {n} tokens; the model's context holds {limit}, with room for at "
+                               "least one token to generate")
+        if n + max_tokens > limit:
+            raise RequestError("max_tokens", f"prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                               f"model's context of {limit} tokens")
+        if self.kv.blocks_for(n + 1) > self.kv.num_blocks:
+            raise RequestError(where, f"is {n} tokens; the KV cache holds {self.kv.num_blocks * self.kv.block_size}")
+        need = self.kv.blocks_for(n + max_tokens)
         if need > self.kv.num_blocks:
             raise RequestError("max_tokens", f"prompt plus max_tokens needs {need} KV blocks; "
                                f"the cache holds {self.kv.num_blocks}")
+
+    def _new_request(self, ids: list[int], params: SamplingParams, now: float | None, request_id: str | None,
+                     priority: int, deadline_ms: float | None, deadline_kind: str | None) -> Request:
         rid = request_id or f"req-{next(self._ids)}"
         return Request(rid, ids, params, self.clock.now() if now is None else now, priority=priority,
                        deadline_ms=deadline_ms, deadline_kind=deadline_kind, eos_token_id=self.eos_token_id)
@@ -227,7 +259,8 @@ class LLMEngine:
 
     def fail(self, request_ids: list[str], error: str, now: float | None = None) -> None:
         """End these requests with finish reason "error" and `error` (a failed step); their
-        outputs come out of the next step."""
+        outputs come out of the next step. `error` is what callers are told, so it holds no
+        exception text (that goes to the log, with the request ids)."""
         self.scheduler.fail(request_ids, error, self.clock.now() if now is None else now)
 
     def snapshot(self) -> EngineSnapshot:
@@ -257,21 +290,73 @@ class LLMEngine:
     # --- the loop -----------------------------------------------------------------------
     def step(self, now: float | None = None) -> EngineStep:
         """schedule -> execute -> update. With `now` given, time is virtual: the step ends at
-        now + the executor's step_time; otherwise both ends are read from the clock. Raises
-        StepFailed, naming the batch's requests, when running the batch fails."""
+        now + the executor's step_time; otherwise both ends are read from the clock.
+
+        A batch the executor fails on is not failed whole: `_execute_isolating` finds the
+        requests it fails on and ends only those (finish reason "error"), so one poison request
+        never ends another's stream. Raises StepFailed, naming the batch's requests, when the
+        step fails outside the executor (the scheduler's update, detokenizing)."""
         start = self.clock.now() if now is None else now
         batch = self.scheduler.schedule(start)
         if batch.empty:
             return EngineStep(self._outputs([], start))
+        output, culprits = self._execute_isolating(batch)
         try:
-            output = self.executor.execute(batch)
             end = self.clock.now() if now is None else start + output.step_time
+            if culprits:
+                self.fail(list(culprits), "the model step failed on this request alone (the server log has the "
+                          "cause; the other requests of the step carried on)", end)
+                batch = ScheduledBatch([s for s in batch.seqs if s.request_id not in culprits],
+                                       batch.num_padding_tokens)
             changed = self.scheduler.update(batch, output, end)
             self.num_generated_tokens += len(output.sampled)
             outs = self._outputs(changed, end)
         except Exception as e:
             raise StepFailed([s.request_id for s in batch.seqs], e) from e
+        if batch.empty:  # its one request failed
+            return EngineStep(outs)
         return EngineStep(outs, StepRecord(batch.num_seqs, batch.num_tokens, len(output.sampled), output.step_time))
+
+    def _execute_isolating(self, batch: ScheduledBatch) -> tuple[StepOutput, dict[str, BaseException]]:
+        """Run the batch. If the executor raises, bisect: run each half on its own, split a
+        failing half again, down to the single requests it fails on (the culprits). Returns
+        the merged output of every part that ran and the culprits with their errors; if every
+        part runs on its own, there are none and the step goes on as if it had not failed.
+
+        Rerunning a part is safe: nothing the scheduler keeps changes before update(), and a
+        step writes only the K/V of its own positions, the same values when run again. A
+        request the executor always fails on costs about 2*log2(batch) extra executions."""
+        try:
+            return self.executor.execute(batch), {}
+        except Exception as e:  # noqa: BLE001 - isolated below
+            error = e
+        self.num_failed_steps += 1
+        sampled: dict[str, int] = {}
+        culprits: dict[str, BaseException] = {}
+        spent = [0.0]
+
+        def bisect(seqs: list, err: BaseException) -> None:
+            if len(seqs) == 1:
+                rid = seqs[0].request_id
+                culprits[rid] = err
+                log.error("model step failed on request %s (%s: %s); the rest of its batch carries on",
+                          rid, type(err).__name__, err, exc_info=err)
+                return
+            mid = len(seqs) // 2
+            for part in (seqs[:mid], seqs[mid:]):
+                try:
+                    out = self.executor.execute(ScheduledBatch(part))
+                except Exception as e:  # noqa: BLE001 - split again
+                    bisect(part, e)
+                else:
+                    sampled.update(out.sampled)
+                    spent[0] += out.step_time
+
+        bisect(list(batch.seqs), error)
+        if not culprits:
+            log.warning("a model step failed (%s: %s) but each part of it ran on its own", type(error).__name__, error)
+        self.num_isolated_requests += len(culprits)
+        return StepOutput(sampled, spent[0]), culprits
 
     def _outputs(self, changed: list[Request], end: float) -> list[RequestOutput]:
         """The step's outputs: one per running request that got a token, then the finished

@@ -90,7 +90,11 @@ def _num(body: dict, name: str) -> float | None:
     v = body.get(name)
     if v is None:
         return None
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+    try:
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    except OverflowError:  # an integer too large for a float
+        ok = False
+    if not ok:
         raise bad(name, f"must be a number, got {_show(v)}")
     return float(v)
 

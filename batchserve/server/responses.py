@@ -33,7 +33,9 @@ def output_error(out: RequestOutput, retry_after_s: float = 1.0) -> APIError | N
     if failure is None:
         return None
     status, what, code, kind, retry = failure
-    detail = f": {out.error}" if out.error else ""
+    detail = f": {out.error}" if out.error else ""  # the engine's own words, never exception text
+    if status >= 500:  # what the server log can be searched by
+        detail += f" (request id {out.request_id})"
     return APIError(status, what + detail, code=code, type=kind, headers=retry_after(retry_after_s) if retry else {})
 
 
