@@ -338,15 +338,36 @@ class EngineConfig:
 class ServerConfig:
     """The HTTP layer of `batchserve serve`. `served_model_name` (default: the model's alias or
     file name) is the name clients pass as `model`; `default_max_tokens` caps chat answers that
-    set no limit; on SIGTERM, requests in flight get `grace_period_s` to finish."""
+    set no limit; on SIGTERM, requests in flight get `grace_period_s` to finish.
+
+    What one client may cost the others is bounded: bodies by `max_body_bytes` and
+    `max_json_depth`; connections by `max_connections` (those beyond get 503 at once; the
+    process's open-file limit lowers it), request headers by `max_header_bytes` and
+    `max_headers` (431) and by `header_timeout_s` (a client that has not sent its headers by
+    then is cut off), idle keep-alive connections by `keep_alive_s`. A request field the server
+    does not know is refused with a 400 naming it, unless `lenient_fields`. `allowed_hosts`
+    (comma-separated; `*`: any) is what the Host header may name, by default the bind address
+    (and localhost when it is a loopback one): a DNS-rebinding page cannot reach a local server.
+    A model step running past `step_timeout_s` (0: no bound) marks the engine stalled: /health
+    turns 503 and the requests in flight fail; an engine thread that dies ends the process."""
 
     host: str = _flag("127.0.0.1", "address to listen on")
     port: int = _flag(8000, "port to listen on (0: any free port)")
-    api_key: str | None = _flag(None, "require 'Authorization: Bearer KEY' on /v1/*")
+    api_key: str | None = _flag(None, "require 'Authorization: Bearer KEY' on /v1/* and /metrics")
     max_body_bytes: int = _flag(1 << 20, "larger request bodies get 413")
     grace_period_s: float = _flag(30.0, "on SIGTERM, how long requests in flight may take to finish")
     served_model_name: str | None = _flag(None, "the model name clients use (default: the model's)")
     default_max_tokens: int = _flag(1024, "cap for chat requests that set no max_tokens")
+    lenient_fields: bool = _flag(False, "ignore unknown request fields instead of refusing them with a 400")
+    max_json_depth: int = _flag(32, "JSON bodies nested deeper get 400")
+    max_connections: int = _flag(512, "open connections beyond this get 503 at once (lowered by the fd limit)")
+    header_timeout_s: float = _flag(10.0, "close connections that have not sent complete headers by then")
+    keep_alive_s: float = _flag(5.0, "close idle keep-alive connections after this long")
+    max_header_bytes: int = _flag(32768, "larger request headers get 431")
+    max_headers: int = _flag(100, "requests with more header lines get 431")
+    allowed_hosts: str | None = _flag(None, "Host header names accepted, comma-separated, '*': any "
+                                      "(default: the bind address)")
+    step_timeout_s: float = _flag(60.0, "a model step running longer marks the engine stalled (0: no bound)")
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -359,6 +380,18 @@ class ServerConfig:
             raise ConfigError(f"server.default_max_tokens: must be an integer >= 1, got {self.default_max_tokens!r}")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ConfigError("server.api_key: must be a non-empty string")
+        for name, lo in (("max_json_depth", 2), ("max_connections", 1), ("max_header_bytes", 1024),
+                         ("max_headers", 8)):
+            v = getattr(self, name)
+            _check(isinstance(v, int) and not isinstance(v, bool) and v >= lo, f"server.{name}",
+                   f"must be an integer >= {lo}, got {v!r}")
+        for name in ("header_timeout_s", "keep_alive_s"):
+            v = getattr(self, name)
+            _check(isinstance(v, (int, float)) and v > 0, f"server.{name}", f"must be > 0, got {v!r}")
+        _check(isinstance(self.step_timeout_s, (int, float)) and self.step_timeout_s >= 0, "server.step_timeout_s",
+               f"must be >= 0, got {self.step_timeout_s!r}")
+        _check(self.allowed_hosts is None or (isinstance(self.allowed_hosts, str) and self.allowed_hosts.strip()),
+               "server.allowed_hosts", "must be a non-empty string")
 
 
 # The sections of a configuration: EngineConfig's fields, then `server`. A config file has one

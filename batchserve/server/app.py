@@ -28,6 +28,7 @@ from batchserve.engine.engine import LLMEngine
 from batchserve.engine.request_stream import RequestStream
 from batchserve.request import OverloadedError, RequestError
 from batchserve.server.config import ServerConfig
+from batchserve.server.guard import Guard
 from batchserve.server.metrics import ServerMetrics
 from batchserve.server.protocol import APIError, GenerationRequest, bad, parse_generation, parse_json
 from batchserve.server.responses import ChunkWriter, completion_body, output_error, retry_after
@@ -112,7 +113,7 @@ class ServerState:
             if size > limit:
                 raise too_big
             chunks.append(chunk)
-        return parse_json(b"".join(chunks))
+        return parse_json(b"".join(chunks), self.config.max_json_depth)
 
     async def until_disconnect(self, request: Request, aw: Awaitable[T], rid: str) -> T:
         """Await `aw` unless the client leaves first; then abort the request at once."""
@@ -134,11 +135,13 @@ class ServerState:
         arrival = self.engine.now()
         self.check_auth(request)
         self.check_admission()
-        g = parse_generation(await self.read_json(request), chat, self.config.default_max_tokens)
+        g = parse_generation(await self.read_json(request), chat, self.config.default_max_tokens,
+                             lenient=self.config.lenient_fields)
         if g.model != self.model_name:
             raise APIError(404, f"model {g.model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        request.state.request_id = rid  # for the access log and any 5xx body
         self.inflight += 1
         handed_to_stream = False
         try:
@@ -228,6 +231,7 @@ def create_app(engine: EngineClient | LLMEngine | Callable[[], LLMEngine], confi
 
     app = FastAPI(title="batchserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
+    app.add_middleware(Guard, config=config, on_status=lambda status: state.metrics.http_errors.labels(str(status)).inc())
 
     def error_response(e: APIError) -> JSONResponse:
         state.metrics.http_errors.labels(str(e.status)).inc()
@@ -250,9 +254,10 @@ def create_app(engine: EngineClient | LLMEngine | Callable[[], LLMEngine], confi
 
     @app.exception_handler(Exception)
     async def on_crash(request: Request, e: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s", request.url.path)
-        return error_response(APIError(500, f"internal error: {type(e).__name__}", type="server_error",
-                                       code="internal_error"))
+        rid = getattr(request.state, "request_id", "-")
+        log.exception("unhandled error on %s (request id %s)", request.url.path, rid)
+        return error_response(APIError(500, f"internal error (request id {rid})", type="server_error",
+                                       code="internal_error", headers={"X-Request-Id": rid}))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from batchserve.request import DEFAULT_PRIORITY, RequestError, RequestSpec, SamplingParams
+import numpy as np
+
+from batchserve.request import DEFAULT_PRIORITY, MAX_INT32, RequestError, RequestSpec, SamplingParams
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 # Fields we accept only at their "off" value: silently ignoring them would change answers.
@@ -21,6 +24,15 @@ _UNSUPPORTED = {
     "top_logprobs": (None, 0), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []),
 }
+# Every field a body may have; any other is refused (a misspelt `max_token` would otherwise
+# be ignored, and the answer silently use the default), unless the server is lenient.
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop", "seed",
+           "ignore_eos", "priority", "deadline_ms", "deadline_kind", "user", *_UNSUPPORTED}
+_FIELDS = {False: frozenset(_COMMON | {"prompt"}), True: frozenset(_COMMON | {"messages", "max_completion_tokens"})}
+_MESSAGE_FIELDS = frozenset({"role", "content", "name"})
+_STREAM_OPTIONS = frozenset({"include_usage"})
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string literal
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass
@@ -58,15 +70,61 @@ class GenerationRequest:
     include_usage: bool
 
 
-def parse_json(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object, or a 400."""
+def json_too_deep(raw: bytes, limit: int) -> bool:
+    """Whether `raw` nests arrays and objects deeper than `limit`, found without parsing it
+    (a parser recurses per level: ~1,000 levels raise RecursionError). Brackets inside string
+    literals do not count; a body with no more opening brackets than `limit` is not scanned."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    a = np.frombuffer(_STRING.sub(b'""', raw), dtype=np.uint8)
+    step = ((a == 0x5B) | (a == 0x7B)).astype(np.int32) - ((a == 0x5D) | (a == 0x7D)).astype(np.int32)
+    return int(np.cumsum(step).max()) > limit
+
+
+def parse_json(raw: bytes, max_depth: int = 32) -> dict[str, Any]:
+    """The body as a JSON object, or a 400: malformed, nested deeper than `max_depth`, or
+    holding a string that is not proper Unicode (a lone surrogate escape such as "\\ud800",
+    which no tokenizer can take; the 400 names the field)."""
+    if json_too_deep(raw, max_depth):
+        raise APIError(400, f"the JSON body nests deeper than {max_depth} levels", code="invalid_json")
     try:
         body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, f"the JSON body must be an object, got {type(body).__name__}", code="invalid_json")
+    where = _bad_text(body, "")
+    if where is not None:
+        raise bad(where or None, "is not valid Unicode text (it holds a lone surrogate)", code="invalid_text")
     return body
+
+
+def _bad_text(v: Any, path: str) -> str | None:
+    """The path of the first string (key or value) under `v` with a lone surrogate, or None."""
+    if isinstance(v, str):
+        return path if _SURROGATE.search(v) else None
+    if isinstance(v, dict):
+        for k, x in v.items():
+            sub = f"{path}.{k}" if path else str(k)
+            if _SURROGATE.search(k):
+                return path or "(a key)"
+            found = _bad_text(x, sub)
+            if found is not None:
+                return found
+    elif isinstance(v, list):
+        for i, x in enumerate(v):
+            found = _bad_text(x, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
+
+
+def _refuse_unknown(d: dict, allowed: frozenset[str], where: str = "") -> None:
+    unknown = sorted(k for k in d if k not in allowed)
+    if unknown:
+        names = [f"{where}.{k}" if where else k for k in unknown]
+        raise bad(names[0], f"unknown field{'s' if len(names) > 1 else ''} {', '.join(map(repr, names))} "
+                  "(this server refuses fields it would ignore)", code="unknown_field")
 
 
 def _show(v: Any) -> str:
@@ -82,7 +140,7 @@ def _int(body: dict, name: str, lo: int | None = None, hi: int | None = None) ->
         raise bad(name, f"must be an integer, got {_show(v)}")
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         rng = f"in [{lo}, {hi}]" if lo is not None and hi is not None else f">= {lo}" if lo is not None else f"<= {hi}"
-        raise bad(name, f"must be {rng}, got {v}")
+        raise bad(name, f"must be {rng}, got {_show(v)}")
     return v
 
 
@@ -99,10 +157,10 @@ def _num(body: dict, name: str) -> float | None:
     return float(v)
 
 
-def _bool(body: dict, name: str) -> bool | None:
+def _bool(body: dict, name: str, where: str | None = None) -> bool | None:
     v = body.get(name)
     if v is not None and not isinstance(v, bool):
-        raise bad(name, f"must be true or false, got {_show(v)}")
+        raise bad(where or name, f"must be true or false, got {_show(v)}")
     return v
 
 
@@ -126,7 +184,7 @@ def _prompt(body: dict) -> str | list[int]:
     raise bad("prompt", "must be a string or a list of token ids")
 
 
-def _messages(body: dict) -> list[dict]:
+def _messages(body: dict, lenient: bool) -> list[dict]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages", "must be a non-empty list of {role, content} objects")
@@ -135,6 +193,8 @@ def _messages(body: dict) -> list[dict]:
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise bad(where, "must be an object with role and content")
+        if not lenient:
+            _refuse_unknown(m, _MESSAGE_FIELDS, where)
         role = m.get("role")
         if role not in _ROLES:
             raise bad(f"{where}.role", f"must be one of {list(_ROLES)}, got {_show(role)}")
@@ -165,9 +225,13 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(v)
 
 
-def parse_generation(body: dict[str, Any], chat: bool, default_max_tokens: int = 1024) -> GenerationRequest:
+def parse_generation(body: dict[str, Any], chat: bool, default_max_tokens: int = 1024,
+                     lenient: bool = False) -> GenerationRequest:
     """Validate a completion (chat=False) or chat completion body; raise APIError (400). A chat
-    request that sets no max_tokens may use the room its context leaves, up to `default_max_tokens`."""
+    request that sets no max_tokens may use the room its context leaves, up to `default_max_tokens`.
+    A field this server does not know is refused, naming it, unless `lenient` (then ignored)."""
+    if not lenient:
+        _refuse_unknown(body, _FIELDS[chat])
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad("model", "is required and must be a string" if model is None else f"must be a string, got {_show(model)}")
@@ -179,21 +243,23 @@ def parse_generation(body: dict[str, Any], chat: bool, default_max_tokens: int =
         raise bad("n", f"only n=1 is supported, got {n}", code="unsupported_parameter")
     prompt = messages = None
     if chat:
-        messages = _messages(body)
+        messages = _messages(body, lenient)
         max_tokens = _int(body, "max_completion_tokens", lo=1)
         max_tokens = _int(body, "max_tokens", lo=1) if max_tokens is None else max_tokens
     else:
         prompt = _prompt(body)
         max_tokens = _int(body, "max_tokens", lo=1)
     temperature, top_p = _num(body, "temperature"), _num(body, "top_p")  # ranges: SamplingParams
-    top_k = _int(body, "top_k", lo=-1)  # -1 (vLLM's "off") is 0 here
+    top_k = _int(body, "top_k", lo=-1, hi=MAX_INT32)  # -1 (vLLM's "off") is 0 here
     stream = bool(_bool(body, "stream"))
     opts = body.get("stream_options")
     if opts is not None and not stream:
         raise bad("stream_options", "is only allowed when stream is true")
     if opts is not None and not isinstance(opts, dict):
         raise bad("stream_options", "must be an object")
-    include_usage = bool(_bool(opts, "include_usage")) if opts else False
+    if opts and not lenient:
+        _refuse_unknown(opts, _STREAM_OPTIONS, "stream_options")
+    include_usage = bool(_bool(opts, "include_usage", "stream_options.include_usage")) if opts else False
     priority = body.get("priority")
     try:
         params = SamplingParams(
