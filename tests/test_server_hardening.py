@@ -158,6 +158,18 @@ def test_a_crash_is_a_500_with_a_request_id_and_no_exception_text(caplog, monkey
     assert crash and "secret internal detail" in str(crash[0].exc_info[1])
 
 
+def test_metrics_need_the_key_when_one_is_set() -> None:
+    async def scenario() -> None:
+        async with serve_app(fake_engine(), ServerConfig(api_key="k")) as (client, _):
+            r = await client.get("/metrics")
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            r = await client.get("/metrics", headers={"Authorization": "Bearer k"})
+            assert r.status_code == 200 and "batchserve:engine_up 1.0" in r.text
+            assert (await client.get("/health")).status_code == 200  # probes need no key
+
+    run(scenario())
+
+
 @pytest.mark.parametrize("cfg,host,ok", [
     (ServerConfig(), "127.0.0.1:8000", True), (ServerConfig(), "localhost", True), (ServerConfig(), "[::1]:80", True),
     (ServerConfig(), "evil.example:8000", False), (ServerConfig(), "127.0.0.1.evil.example", False),

@@ -4,8 +4,16 @@ One engine thread owns the LLMEngine and everything under it (scheduler, queue, 
 event loop never touches that state: it posts typed commands (add, abort, call) into an inbox
 that the engine thread drains between steps, and it receives each request's outputs on an
 asyncio.Queue, fed by one `loop.call_soon_threadsafe` per step (not one per token).
-Tokenization, scheduling, the model and detokenization all run on the engine thread, so the
-event loop stays light.
+
+The engine thread runs scheduling, the model and detokenization, nothing that one request
+could make long: tokenizing and chat templating run on a tokenizer thread of their own (the
+Rust tokenizer lets go of the GIL), and the admission checks (context and cache room, a full
+queue level) on the event loop, so a 1 MB prompt holds up no stream and a full queue is
+refused at once, not at the next step boundary.
+
+A watchdog on the event loop keeps the engine thread honest: a step running past
+`step_timeout_s` fails the requests in flight (the engine is "stalled" until the step ends),
+and a thread that dies fails them too and calls `on_dead` (the server then exits non-zero).
 """
 from __future__ import annotations
 
@@ -13,15 +21,17 @@ import asyncio
 import logging
 import threading
 import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
 from batchserve.core.batch import RequestOutput, StepRecord
 from batchserve.core.stats import EngineSnapshot
-from batchserve.engine.client import EngineClient, EngineStoppedError
+from batchserve.engine.client import EngineClient, EngineHealth, EngineStoppedError
 from batchserve.engine.engine import LLMEngine, StepFailed
 from batchserve.engine.request_stream import RequestStream
-from batchserve.request import RequestSpec
+from batchserve.request import FinishReason, OverloadedError, RequestSpec
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -30,8 +40,9 @@ _IDLE_POLL_S = 0.002  # a policy may hold work back (a batching window): look ag
 
 @dataclass(frozen=True)
 class _Add:
-    spec: RequestSpec
+    spec: RequestSpec  # prepared: token ids, final max_tokens
     future: asyncio.Future
+    level: str
 
 
 @dataclass(frozen=True)
@@ -55,14 +66,18 @@ class AsyncEngine(EngineClient):
     model load does not hold up the caller; `ready` turns True when it is done).
     `on_step` / `on_finish` are called on the engine thread after each model step and for each
     finished request; they must be quick and thread-safe (prometheus-client metrics are).
+    `step_timeout_s` (0: none) bounds a model step (see the module docstring); `on_dead`, set
+    by the caller, is called on the event loop if the engine thread dies.
     """
 
     def __init__(self, source: LLMEngine | Callable[[], LLMEngine], *,
                  on_step: Callable[[StepRecord], None] | None = None,
-                 on_finish: Callable[[RequestOutput], None] | None = None) -> None:
+                 on_finish: Callable[[RequestOutput], None] | None = None, step_timeout_s: float = 0.0) -> None:
         self._source = source
         self.on_step = on_step
         self.on_finish = on_finish
+        self.on_dead: Callable[[BaseException], None] | None = None
+        self.step_timeout_s = step_timeout_s
         self.engine: LLMEngine | None = None
         self.load_error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -72,27 +87,57 @@ class AsyncEngine(EngineClient):
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
+        self._tokenizer = ThreadPoolExecutor(1, thread_name_prefix="batchserve-tokenize")
+        self._posted: Counter[str] = Counter()  # adds in the inbox, by queue level (under _cond)
+        self._retry_after: dict[str, float] = {}  # the queue's hint for each full level, after the last step
+        self._step_started: float | None = None  # monotonic start of the running step, else None
+        self._stalled_step: float | None = None  # the start of the last step the watchdog failed
+        self._died: BaseException | None = None
+        self._watchdog: asyncio.Task | None = None
         self.num_steps = 0  # model steps run (readable from any thread)
+        self.stalls = 0  # steps that ran past step_timeout_s
+        self.watchdog_failed = 0  # requests failed by the watchdog (a stall or a dead thread)
 
     # --- lifecycle ---------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        """Start the engine thread; outputs are delivered on `loop` (default: the running one)."""
+        """Start the engine thread (and the watchdog); outputs are delivered on `loop` (default:
+        the running one), which start must be called in."""
         self._loop = loop or asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="batchserve-engine", daemon=True)
         self._thread.start()
+        if self.step_timeout_s > 0:
+            self._watchdog = self._loop.create_task(self._watch())
 
     @property
     def ready(self) -> bool:
         """True once the model is loaded and the engine thread is serving."""
-        return self._ready.is_set() and not self._stopping and self._thread is not None and self._thread.is_alive()
+        return (self._ready.is_set() and not self._stopping and self._died is None and self._thread is not None
+                and self._thread.is_alive())
+
+    def health(self) -> EngineHealth:
+        eng, started = self.engine, self._step_started
+        running = time.monotonic() - started if started is not None else 0.0
+        counts = dict(step_running_s=running, stalls=self.stalls, watchdog_failed=self.watchdog_failed,
+                      failed_steps=eng.num_failed_steps if eng is not None else 0,
+                      isolated_requests=eng.num_isolated_requests if eng is not None else 0)
+        if self.load_error is not None:
+            return EngineHealth("failed", error="the model failed to load (the server log has the cause)", **counts)
+        if self._died is not None or (self._ready.is_set() and not self._stopping and not self.ready):
+            return EngineHealth("dead", error="the engine thread died (the server log has the cause)", **counts)
+        if 0 < self.step_timeout_s < running:
+            return EngineHealth("stalled", error=f"a model step has run for {running:.1f} s", **counts)
+        return EngineHealth("ok" if self.ready else "loading", **counts)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Abort what is left, stop the thread and wait for it (blocking)."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
+        if self._watchdog is not None:
+            self._to_loop(self._watchdog.cancel)
         if self._thread is not None:
             self._thread.join(timeout)
+        self._tokenizer.shutdown(wait=False, cancel_futures=True)
 
     @property
     def max_model_len(self) -> int:
@@ -105,21 +150,43 @@ class AsyncEngine(EngineClient):
     # --- the event-loop side -----------------------------------------------------------
     async def add(self, spec: RequestSpec) -> RequestStream:
         """Queue a request. Raises what `LLMEngine.add` raises (RequestError, OverloadedError),
-        or EngineStoppedError."""
+        or EngineStoppedError. Tokenized on the tokenizer thread and checked here; only a
+        request that fits and finds room in its queue level goes to the engine thread."""
         if not self.ready:
             raise EngineStoppedError("the model is not loaded yet" if not self._stopping else "shutting down")
         rid = spec.request_id
         assert rid is not None, "the caller names the request"
+        loop = asyncio.get_running_loop()
+        spec = await loop.run_in_executor(self._tokenizer, self.engine.prepare, spec)
+        level = self._admit(spec)
         stream = RequestStream(rid)
+        fut = loop.create_future()
+        if not self._post(_Add(spec, fut, level.name)):
+            raise EngineStoppedError("the engine thread died" if self._died is not None else "shutting down")
         self._streams[rid] = stream
-        fut = asyncio.get_running_loop().create_future()
-        self._post(_Add(spec, fut))
         try:
             await fut
         except asyncio.CancelledError:
             self.abort(rid)  # the caller left while the add was in flight
             raise
         return stream
+
+    def _admit(self, spec: RequestSpec):
+        """The request's queue level; OverloadedError at once when that level refuses and is
+        full: its queued requests plus the adds in the inbox. The queue's per-level counts are
+        the one piece of engine state read here: ints under fixed keys, safe to read from any
+        thread. The engine thread still checks exactly when it takes the request."""
+        queue = self.engine.scheduler.waiting
+        level = queue.levels[next(lv.name for lv in queue.config.levels if spec.priority in lv.priorities)]
+        if level.capacity is None or level.overflow != "reject":
+            return level
+        with self._cond:
+            n = queue.lengths_by_level().get(level.name, 0) + self._posted[level.name]
+            hint = self._retry_after.get(level.name, queue.config.retry_after_s)
+        if n >= level.capacity:
+            raise OverloadedError(f"queue level {level.name!r} is full ({level.capacity} requests waiting); "
+                                  "retry later", retry_after_s=hint, level=level.name)
+        return level
 
     def abort(self, request_id: str) -> None:
         """End a request now (client gone); its blocks are freed before the next step."""
@@ -139,10 +206,50 @@ class AsyncEngine(EngineClient):
     async def snapshot(self) -> EngineSnapshot:
         return await self.call(LLMEngine.snapshot)
 
-    def _post(self, command: _Command) -> None:
+    def _post(self, command: _Command) -> bool:
+        """Hand a command to the engine thread; False (an add refused) once it has stopped
+        taking them (shutting down, or dead), so that no add waits for a thread that is gone."""
         with self._cond:
+            if isinstance(command, _Add):
+                if self._stopping or self._died is not None:
+                    return False
+                self._posted[command.level] += 1
             self._inbox.append(command)
             self._cond.notify()
+        return True
+
+    def _fail_streams(self, error: str) -> None:
+        """End every request being answered with finish reason "error" (event loop side: the
+        engine thread may be stuck); each is aborted in the engine when it takes commands again."""
+        streams, self._streams = self._streams, {}
+        for rid, stream in streams.items():
+            stream.put(RequestOutput(rid, [], [], [], True, FinishReason.ERROR, error=error))
+            self._post(_Abort(rid))
+        self.watchdog_failed += len(streams)
+
+    async def _watch(self) -> None:
+        period = min(1.0, self.step_timeout_s / 4)
+        while not self._stopping:
+            await asyncio.sleep(period)
+            self.check_stall()
+
+    def check_stall(self) -> bool:
+        """If the running step is past `step_timeout_s` and not yet reported: fail the requests
+        in flight and count a stall. True if it did."""
+        started = self._step_started
+        if started is None or started == self._stalled_step or time.monotonic() - started <= self.step_timeout_s:
+            return False
+        self._stalled_step = started
+        self.stalls += 1
+        log.error("engine stalled: a model step has run past %.1f s; failing the %d requests in flight",
+                  self.step_timeout_s, len(self._streams))
+        self._fail_streams(f"the engine stalled (a model step ran past {self.step_timeout_s:g} s)")
+        return True
+
+    def _on_death(self, error: BaseException) -> None:
+        self._fail_streams("the engine thread died; this server is going down")
+        if self.on_dead is not None:
+            self.on_dead(error)
 
     def _deliver(self, outs: list[RequestOutput]) -> None:
         for out in outs:
@@ -184,21 +291,51 @@ class AsyncEngine(EngineClient):
             self._fail_inbox(EngineStoppedError(f"engine failed to start: {e}"))
             return
         self._ready.set()
+        try:
+            self._serve(engine)
+        except BaseException as e:  # noqa: BLE001 - the thread must not end unnoticed
+            with self._cond:  # from here on no add is posted (see _post)
+                self._died = e
+            log.critical("the engine thread died", exc_info=e)
+            self._fail_inbox(EngineStoppedError("the engine thread died"))
+            self._to_loop(self._on_death, e)
+
+    def _serve(self, engine: LLMEngine) -> None:
         while True:
             with self._cond:
                 if not self._inbox and not self._stopping and not engine.has_unfinished:
                     self._cond.wait()
                 inbox, self._inbox = self._inbox, []
+                self._posted.subtract(c.level for c in inbox if isinstance(c, _Add))
                 stopping = self._stopping
             for command in inbox:
                 self._handle(engine, command)
             if stopping:
                 self._stop(engine)
                 return
-            if engine.has_unfinished and not self._step(engine):
+            ran = False
+            if engine.has_unfinished:
+                self._step_started = time.monotonic()
+                try:
+                    ran = self._step(engine)
+                finally:
+                    self._step_started = None
+            if ran:
+                self._publish_hints(engine)
+            if engine.has_unfinished and not ran:
                 with self._cond:  # nothing ran (e.g. a window is open): don't spin
                     if not self._inbox and not self._stopping:
                         self._cond.wait(_IDLE_POLL_S)
+
+    def _publish_hints(self, engine: LLMEngine) -> None:
+        """The queue's Retry-After hint for each full level, for refusals on the event loop."""
+        queue = engine.scheduler.waiting
+        counts = queue.lengths_by_level()
+        hints = {lv.name: queue.retry_after(lv.name) for lv in queue.config.levels
+                 if lv.capacity is not None and counts.get(lv.name, 0) >= lv.capacity}
+        if hints or self._retry_after:
+            with self._cond:
+                self._retry_after = hints
 
     def _handle(self, engine: LLMEngine, command: _Command) -> None:
         if isinstance(command, _Abort):
@@ -210,7 +347,7 @@ class AsyncEngine(EngineClient):
                 self._resolve(command.future, error=e)
         else:
             try:
-                engine.add(command.spec)
+                engine.add(command.spec, prepared=True)
             except Exception as e:  # noqa: BLE001 - RequestError / OverloadedError go to the caller
                 self._resolve(command.future, error=e, request_id=command.spec.request_id)
                 return

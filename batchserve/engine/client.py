@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+from dataclasses import dataclass
 from typing import Callable
 
 from batchserve.core.batch import RequestOutput, StepRecord
@@ -19,6 +20,27 @@ class EngineStoppedError(RuntimeError):
     """The engine is not running (still loading, failed to load, or shut down)."""
 
 
+@dataclass(frozen=True)
+class EngineHealth:
+    """An engine's liveness, for /health and /metrics. `state`: loading, ok, failed (did not
+    load), stalled (a model step has run past its bound; it may still come back) or dead (the
+    engine thread ended unasked: nothing will be served again). `step_running_s` is how long
+    the current step has run (0 between steps); the counters are totals since start."""
+
+    state: str
+    step_running_s: float = 0.0
+    stalls: int = 0
+    failed_steps: int = 0
+    isolated_requests: int = 0
+    watchdog_failed: int = 0
+    error: str | None = None
+
+    @property
+    def live(self) -> bool:
+        """Worth keeping: false only when serving cannot resume (stalled, dead, failed to load)."""
+        return self.state in ("loading", "ok")
+
+
 class EngineClient(abc.ABC):
     """An engine as the server sees it.
 
@@ -27,6 +49,7 @@ class EngineClient(abc.ABC):
     model step and each finished request; they must be quick and thread-safe."""
 
     load_error: BaseException | None = None
+    on_dead: Callable[[BaseException], None] | None = None  # called on the loop if the engine dies
     on_step: Callable[[StepRecord], None] | None = None
     on_finish: Callable[[RequestOutput], None] | None = None
 
@@ -71,6 +94,12 @@ class EngineClient(abc.ABC):
     @abc.abstractmethod
     async def snapshot(self) -> EngineSnapshot:
         """Engine state for the /metrics gauges."""
+
+    def health(self) -> EngineHealth:
+        """Liveness as /health reports it (a client without a watchdog: loaded or not)."""
+        if self.load_error is not None:
+            return EngineHealth("failed", error=str(self.load_error))
+        return EngineHealth("ok" if self.ready else "loading")
 
     def metrics_text(self) -> str:
         """Prometheus text of metrics of the client's own, appended to /metrics."""

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP app: validate -> AsyncEngine.add -> JSON or SSE.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics. Every error is OpenAI-shaped JSON (see protocol.APIError).
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health (and
+/health/ready, the same; /health/live), GET /metrics. Every error is OpenAI-shaped JSON (see
+protocol.APIError); a 5xx body never holds exception text, only a request id the log has.
 """
 from __future__ import annotations
 
@@ -65,7 +66,9 @@ class _StreamEnd:
 
 
 class ServerState:
-    """Everything the routes share: config, engine, metrics, draining flag, in-flight count."""
+    """Everything the routes share: config, engine, metrics, draining flag, in-flight count.
+    `fatal` is set when the engine died; `on_fatal` (set by whoever runs the server) is then
+    called once, to stop the process with a non-zero status."""
 
     def __init__(self, engine: EngineClient, config: ServerConfig, model_name: str) -> None:
         self.config = config
@@ -73,10 +76,19 @@ class ServerState:
         self.metrics = ServerMetrics()
         self.engine = engine
         engine.attach(self.metrics.observe_step, self.metrics.observe_finish)
+        engine.on_dead = self._engine_died
+        self.fatal: BaseException | None = None
+        self.on_fatal: Callable[[], None] | None = None
         self.created = int(time.time())
         self.draining = False
         self.inflight = 0  # generation requests being answered (streams included)
         self.loop: asyncio.AbstractEventLoop | None = None
+
+    def _engine_died(self, error: BaseException) -> None:
+        log.critical("the engine thread died (%s); the server stops", type(error).__name__)
+        self.fatal = error
+        if self.on_fatal is not None:
+            self.on_fatal()
 
     # --- checks ------------------------------------------------------------------------
     def check_auth(self, request: Request) -> None:
@@ -93,8 +105,13 @@ class ServerState:
             self.metrics.rejected.labels("shutting_down", "default").inc()
             raise APIError(503, "the server is shutting down; retry on another instance", code="shutting_down",
                            type="overloaded_error", headers=retry_after(5))
+        health = self.engine.health()
+        if health.state == "stalled":
+            raise APIError(503, "the engine is stalled (a model step is running far too long); retry later",
+                           code="engine_stalled", type="overloaded_error", headers=retry_after(5))
         if not self.engine.ready:
-            raise APIError(503, "the model is not loaded yet", code="not_ready", type="overloaded_error",
+            raise APIError(503, "the model is not loaded yet" if health.state == "loading" else
+                           "the engine is not running", code="not_ready", type="overloaded_error",
                            headers=retry_after(5))
 
     async def read_json(self, request: Request) -> dict[str, Any]:
@@ -219,7 +236,7 @@ def create_app(engine: EngineClient | LLMEngine | Callable[[], LLMEngine], confi
     the engine thread: /health answers 503 until it is done) run by an AsyncEngine. The engine
     runs while the app's lifespan does."""
     config = config or ServerConfig()
-    client = engine if isinstance(engine, EngineClient) else AsyncEngine(engine)
+    client = engine if isinstance(engine, EngineClient) else AsyncEngine(engine, step_timeout_s=config.step_timeout_s)
     state = ServerState(client, config, config.served_model_name or model_name)
 
     @asynccontextmanager
@@ -276,22 +293,41 @@ def create_app(engine: EngineClient | LLMEngine | Callable[[], LLMEngine], confi
             card["max_model_len"] = state.engine.max_model_len
         return {"object": "list", "data": [card]}
 
+    def health_body(ready: bool) -> JSONResponse:
+        h = state.engine.health()
+        status = "draining" if state.draining and h.state == "ok" else h.state
+        ok = status == "ok" if ready else h.live
+        body: dict[str, Any] = {"status": status}
+        if h.error is not None:
+            body["error"] = h.error
+        return JSONResponse(body, status_code=200 if ok else 503)
+
     @app.get("/health")
     async def health() -> JSONResponse:
-        eng = state.engine
-        if state.draining:
-            return JSONResponse({"status": "draining"}, status_code=503)
-        if eng.load_error is not None:
-            return JSONResponse({"status": "failed", "error": str(eng.load_error)}, status_code=503)
-        if not eng.ready:
-            return JSONResponse({"status": "loading"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        """200 only while requests are being taken: loaded, not draining, not stalled, not dead."""
+        return health_body(ready=True)
+
+    @app.get("/health/ready")
+    async def health_ready() -> JSONResponse:
+        return health_body(ready=True)
+
+    @app.get("/health/live")
+    async def health_live() -> JSONResponse:
+        """200 unless serving cannot resume without a restart (stalled, dead, failed to load)."""
+        return health_body(ready=False)
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        state.check_auth(request)
         eng = state.engine
-        snapshot = await eng.snapshot() if eng.ready else None
-        text = state.metrics.render(snapshot) + eng.metrics_text().encode()
+        h = eng.health()
+        snapshot = None
+        if eng.ready and h.state == "ok":  # a stalled engine thread would not answer
+            try:
+                snapshot = await asyncio.wait_for(eng.snapshot(), timeout=2.0)
+            except asyncio.TimeoutError:
+                pass
+        text = state.metrics.render(snapshot, h) + eng.metrics_text().encode()
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     return app

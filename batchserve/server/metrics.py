@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from batchserve.core.batch import RequestOutput, StepRecord
 from batchserve.core.stats import EngineSnapshot
+from batchserve.engine.client import EngineHealth
 from batchserve.request import FinishReason
 
 log = logging.getLogger("batchserve.requests")
@@ -31,8 +32,23 @@ class _SnapshotCollector:
 
     def __init__(self) -> None:
         self.snapshot: EngineSnapshot | None = None
+        self.health: EngineHealth | None = None
 
     def collect(self) -> Iterator[Metric]:
+        h = self.health
+        if h is not None:  # the watchdog's view; read without the engine thread, so always there
+            yield GaugeMetricFamily("batchserve:engine_up", "1 while the engine serves (not stalled, dead or "
+                                    "loading)", value=1 if h.state == "ok" else 0)
+            yield GaugeMetricFamily("batchserve:engine_step_running_seconds", "How long the current model step "
+                                    "has run (0 between steps)", value=h.step_running_s)
+            yield CounterMetricFamily("batchserve:engine_stalls", "Model steps that ran past --step-timeout-s",
+                                      value=h.stalls)
+            yield CounterMetricFamily("batchserve:engine_failed_steps", "Model steps the executor raised on "
+                                      "(then bisected to the requests at fault)", value=h.failed_steps)
+            yield CounterMetricFamily("batchserve:requests_isolated", "Requests failed alone because the model "
+                                      "step failed on them", value=h.isolated_requests)
+            yield CounterMetricFamily("batchserve:requests_failed_by_watchdog", "Requests failed because the "
+                                      "engine stalled or died", value=h.watchdog_failed)
         s = self.snapshot
         if s is None:
             return
@@ -115,9 +131,9 @@ class ServerMetrics:
         self._gauges = _SnapshotCollector()
         r.register(self._gauges)
 
-    def render(self, snapshot: EngineSnapshot | None) -> bytes:
-        """The text exposition, with gauges from `snapshot` (None: engine not up)."""
-        self._gauges.snapshot = snapshot
+    def render(self, snapshot: EngineSnapshot | None, health: EngineHealth | None = None) -> bytes:
+        """The text exposition, with gauges from `snapshot` (None: engine not up) and `health`."""
+        self._gauges.snapshot, self._gauges.health = snapshot, health
         return generate_latest(self.registry)
 
     # --- fed from the engine thread --------------------------------------------------------

@@ -2,7 +2,9 @@
 
 SIGTERM: admission stops at once (new requests get 503, /health 503, so a load balancer moves
 on), requests in flight get up to `grace_period_s` to finish, the rest are aborted, then the
-process exits 0. A second SIGTERM, or SIGINT, exits at once (uvicorn's own behaviour).
+process exits 0. A second SIGTERM, or SIGINT, exits at once (uvicorn's own behaviour). If the
+engine thread dies, the requests in flight fail, /health turns 503 and the process exits 1,
+so that a supervisor restarts it instead of leaving a server that can never answer.
 """
 from __future__ import annotations
 
@@ -28,6 +30,11 @@ class DrainingServer(uvicorn.Server):
         self.state = state
         self.grace_s = grace_s
         self._drain_task: asyncio.Task | None = None
+        state.on_fatal = self._fatal
+
+    def _fatal(self) -> None:
+        """The engine died: stop serving now (no drain: nothing could finish)."""
+        self.should_exit = True
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         loop = self.state.loop
@@ -70,5 +77,13 @@ def serve(a: argparse.Namespace) -> int:
     log.info("serving %r on http://%s:%d (model loads in the background; /health turns 200 when ready)",
              state.model_name, server_cfg.host, server_cfg.port)
     DrainingServer(config, state, server_cfg.grace_period_s).run()
+    return exit_status(state)
+
+
+def exit_status(state: ServerState) -> int:
+    """The process's exit status once the server has stopped: 1 if the engine died, else 0."""
+    if state.fatal is not None:
+        log.critical("exiting with status 1: the engine thread died")
+        return 1
     return 0
 
