@@ -15,6 +15,7 @@ from batchserve.config import EngineConfig
 from batchserve.engine.engine import LLMEngine
 from batchserve.server.app import ServerState, create_app
 from batchserve.server.config import ServerConfig
+from batchserve.server.connections import uvicorn_config
 
 MODEL = "smollm2-135m-instruct"
 _LOADED: list[Any] = []
@@ -65,10 +66,11 @@ class RunningServer:
 def start_server(engine: Any, config: ServerConfig | None = None, timeout: float = 120.0) -> RunningServer:
     """Serve `engine` (an LLMEngine, or an engine client such as RayEngineClient) over real
     HTTP; returns once /health says 200."""
-    app = create_app(engine, config or ServerConfig(), MODEL)
+    config = config or ServerConfig()
+    app = create_app(engine, config, MODEL)
     sock = free_socket()
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2))
+    server = uvicorn.Server(uvicorn_config(app, config, log_level="warning", timeout_graceful_shutdown=2))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"

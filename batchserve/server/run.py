@@ -18,6 +18,7 @@ import uvicorn
 
 from batchserve.server.app import ServerState, create_app
 from batchserve.server.config import load_configs, model_name
+from batchserve.server.connections import uvicorn_config
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +73,7 @@ def serve(a: argparse.Namespace) -> int:
         (lambda: LLMEngine.from_config(engine_cfg))
     app = create_app(source, server_cfg, model_name(engine_cfg.model.model))
     state: ServerState = app.state.server
-    config = uvicorn.Config(app, host=server_cfg.host, port=server_cfg.port, log_level=a.log_level.lower(),
-                            access_log=False, timeout_graceful_shutdown=5, timeout_keep_alive=5)
+    config = uvicorn_config(app, server_cfg, log_level=a.log_level.lower(), timeout_graceful_shutdown=5)
     log.info("serving %r on http://%s:%d (model loads in the background; /health turns 200 when ready)",
              state.model_name, server_cfg.host, server_cfg.port)
     DrainingServer(config, state, server_cfg.grace_period_s).run()
