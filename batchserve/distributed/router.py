@@ -93,7 +93,7 @@ class _Track:
     arrival: float  # router clock
     replica: int | None = None
     stage: str = "both"  # both | prefill | decode
-    delivered: bool = False  # the client has seen output
+    delivered: bool = False  # a replica has sent output (the client may not have seen it: stream.seen)
     retried: bool = False
     aborted: bool = False
     done: bool = False
@@ -338,11 +338,14 @@ class RayEngineClient(EngineClient):
             arrival_time=t.arrival, finish_time=now, priority=t.spec.priority))
 
     async def _lost(self, t: _Track, r: _Replica, err: BaseException) -> None:
-        """`t`'s replica died under it: place it again if the client has seen nothing, else fail it."""
+        """`t`'s replica died under it: place it again, from its prompt, if the client has seen
+        nothing (any non-streamed request, a stream before its first token), else fail it."""
         msg = f"replica {r.key} ({r.role}) died: {type(err).__name__}"
-        if not t.delivered and not t.retried and not t.aborted and not self._stopping:
+        if not t.stream.seen and not t.retried and not t.aborted and not self._stopping:
             t.retried = True
             self.retries += 1
+            t.stream.restart()  # what the dead replica produced is dropped
+            t.token_ids, t.delivered = [], False
             try:
                 await self._place(t, exclude=frozenset({r.key}))
                 log.warning("request %s: %s; placed again on replica %s", t.rid, msg, t.replica)

@@ -20,15 +20,28 @@ class RequestStream:
 
     A list and one future for the reader, not an asyncio.Queue: the engine delivers an output
     per running request per step, so a put here is a list append and at most one future set,
-    without a Queue's per-item getter and unfinished-task bookkeeping."""
+    without a Queue's per-item getter and unfinished-task bookkeeping.
 
-    __slots__ = ("request_id", "finished", "_pending", "_waiter")
+    `seen` is set by the reader once output has gone to the client (a stream's first chunk; a
+    whole answer only at its end): until then the request may be started over elsewhere
+    (`restart`) without the client noticing."""
+
+    __slots__ = ("request_id", "finished", "seen", "_pending", "_waiter", "_epoch")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self.finished = False
+        self.seen = False
         self._pending: list[RequestOutput] = []
         self._waiter: asyncio.Future | None = None
+        self._epoch = 0
+
+    def restart(self) -> None:
+        """Forget every output so far: the request runs again from its prompt (its engine died
+        before the client saw anything). A `collect` under way starts its answer over."""
+        assert not self.seen, "the client has seen output: it cannot be taken back"
+        self._pending = []
+        self._epoch += 1
 
     def put(self, out: RequestOutput) -> None:
         self._pending.append(out)
@@ -53,6 +66,9 @@ class RequestStream:
     async def collect(self) -> RequestOutput:
         """Wait for the end; the final output with all text and tokens."""
         out = await self.next()
+        epoch = self._epoch
         while not out.finished:
-            out = merge_outputs(out, await self.next())
+            more = await self.next()
+            out = more if self._epoch != epoch else merge_outputs(out, more)
+            epoch = self._epoch
         return out

@@ -166,6 +166,7 @@ class ServerState:
             if g.stream:  # wait for the first output, so an early failure still gets its status code
                 first = await self.until_disconnect(request, stream.next(), rid)
                 self._raise_if_failed(first)
+                stream.seen = True  # its first chunk goes out now: from here it cannot start over
                 handed_to_stream = True
                 end = _StreamEnd(self, stream)
                 # `end` runs from the generator's finally and as a background task: the
