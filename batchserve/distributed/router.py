@@ -217,7 +217,8 @@ class RayEngineClient(EngineClient):
         """As AsyncEngine.add: raises RequestError, OverloadedError or EngineStoppedError."""
         if not self.ready:
             raise EngineStoppedError("the model is not loaded yet" if not self._stopping else "shutting down")
-        ids = tokenize(self.tokenizer, spec.prompt, spec.messages)
+        # off the event loop: a long prompt must not hold up the other requests' streams
+        ids = await asyncio.to_thread(tokenize, self.tokenizer, spec.prompt, spec.messages)
         if not ids:
             raise RequestError("messages" if spec.messages is not None else "prompt", "must not be empty")
         params = spec.params
