@@ -157,3 +157,18 @@ def test_a_full_queue_is_refused_at_once() -> None:
             assert [(await f).status_code for f in (first, second)] == [200, 200]
 
     run(scenario())
+
+
+def test_serve_stops_and_exits_1_when_the_engine_dies() -> None:
+    """`batchserve serve`'s server: the engine's death stops it at once (no drain), status 1."""
+    import uvicorn
+
+    from batchserve.server.app import create_app
+    from batchserve.server.run import DrainingServer
+
+    app = create_app(fake_engine(), ServerConfig(), MODEL)
+    state = app.state.server
+    server = DrainingServer(uvicorn.Config(app), state, grace_s=30)
+    assert exit_status(state) == 0 and not server.should_exit
+    state.engine.on_dead(Die())  # what the engine calls on the event loop
+    assert server.should_exit and exit_status(state) == 1
