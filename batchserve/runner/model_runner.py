@@ -156,6 +156,31 @@ class ModelRunner:
                 return self.model.logits(hidden)
             return self.model.logits(hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)])
 
+    def prompt_logprobs(self, token_ids: list[int], block_table: list[int], chunk_tokens: int = 512) -> torch.Tensor:
+        """Scores a token sequence: float32 [n - 1], entry i - 1 = log P(token_ids[i] |
+        token_ids[:i]) under this runner's model and numerics (matrix-product and KV cache
+        dtypes included), the quantity perplexity and prompt logprobs are made of. The sequence
+        runs as a chunked prefill of `chunk_tokens` tokens a step, its K/V written into the
+        blocks of `block_table`, which must cover len(token_ids) tokens and which the caller
+        owns (no running request may hold them)."""
+        n = len(token_ids)
+        if len(block_table) * self.block_size < n:
+            raise ValueError(f"block_table covers {len(block_table) * self.block_size} tokens, need {n}")
+        if n > self.max_model_len:
+            raise ValueError(f"{n} tokens exceed the model's context of {self.max_model_len}")
+        targets = torch.tensor(token_ids[1:], dtype=torch.long, device=self.device)
+        out: list[torch.Tensor] = []
+        for start in range(0, n - 1, chunk_tokens):
+            chunk = token_ids[start:min(n - 1, start + chunk_tokens)]  # the last token predicts nothing
+            meta = AttnMeta.build([(start, len(chunk), block_table)], self.block_size, self.device, self.kernel)
+            hidden = self.model(torch.tensor(chunk, dtype=torch.long, device=self.device),
+                                torch.arange(start, start + len(chunk), dtype=torch.long, device=self.device),
+                                meta, self.kv_caches)
+            with torch.inference_mode():
+                logp = torch.log_softmax(self.model.logits(hidden), dim=-1)
+                out.append(logp.gather(1, targets[start:start + len(chunk), None]).squeeze(1))
+        return torch.cat(out) if out else torch.zeros(0)
+
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         t0 = time.perf_counter()
         logits = self.compute_logits(batch)
