@@ -223,8 +223,9 @@ class LLMEngine:
                        deadline_ms=deadline_ms, deadline_kind=deadline_kind, eos_token_id=self.eos_token_id)
 
     def warm_up(self, rounds: int = 2) -> None:
-        """Run a few synthetic requests (a batch of four short prompts, then one decoding
-        alone) before serving. The first round pays the one-time costs of the first steps and is
+        """Run a few synthetic requests before serving: five short prompts, each joining the
+        batch a step after the last, once the queue is empty (so no cap is in the way), until all are done,
+        the last one alone. The first round pays the one-time costs of the first steps and is
         forgotten; the steps of the last seed the latency model, so the first real request with
         a hard deadline is judged on measured step times (refused at once when it cannot make
         it) instead of admitted blind. Nothing of it stays: no request, block or counter."""
@@ -234,15 +235,16 @@ class LLMEngine:
             if r == rounds - 1 and hasattr(sched.latency, "clear"):
                 sched.latency.clear()  # a profiled model keeps its fit; it does not learn online
                 sched.deadlines.forget_steps()
-            shapes = [(32, 4)] * 4 + [(8, 8)]
+            shapes = [(32, 6)] * 4 + [(8, 10)]
             for i, (n_prompt, n_out) in enumerate(shapes):
+                while len(sched.waiting):  # a seat cap of one, or a queue cap of one: wait for it
+                    self.step()
                 ids = [(7 * r + 13 * i + k) % (vocab - 1) + 1 for k in range(n_prompt)]
                 self.add_request(ids, SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True),
                                  request_id=f"warm-up-{r}-{i}")
-                if i < 4:
-                    continue
-                while self.has_unfinished:
-                    self.step()
+                self.step()
+            while self.has_unfinished:
+                self.step()
         sched.waiting.metrics = QueueMetrics(sched.waiting.levels)
         sched.num_steps = sched.num_preemptions = 0
         self.kv.prefix_queries = self.kv.prefix_hits = 0
