@@ -90,12 +90,12 @@ def test_a_tpot_target_keeps_long_prompts_out_of_the_important_requests_steps(ma
 
 def test_a_running_hard_deadline_is_protected_from_what_joins(make_fake_engine):
     """Alone it needs 40 steps of 2.05 ms; its deadline affords steps of about 3 ms. Without
-    the ceiling, 200-token prompts (12 ms steps) would make it miss."""
+    the ceiling, less important 200-token prompts (12 ms steps) would make it miss."""
     eng = make_fake_engine(num_blocks=512, executor=TokenCostExecutor(), max_num_batched_tokens=512)
     t0 = warm(eng)
     target = [(t0, dict(prompt=[3] * 4, params=SamplingParams(max_tokens=40, ignore_eos=True), request_id="hi",
                         priority=5, deadline_ms=125, deadline_kind="hard"))]
-    low = [(a, {**kw, "priority": 5}) for a, kw in flood(t0 + 0.01)]
+    low = [(a, {**kw, "priority": 4}) for a, kw in flood(t0 + 0.01)]
     done, steps = drive(eng, t0, target + low)
     assert done["hi"].finish_reason == "length" and done["hi"].finish_time <= t0 + 0.125
     assert all(done[f"low{i}"].finish_reason == "length" for i in range(12))

@@ -107,7 +107,7 @@ class StepBuilder:
                 if chunk and chunk < n:
                     n = chunk
                 if n > 1 and req.priority < MAX_PRIORITY:  # a prompt chunk: never slows the more important
-                    n = self._fit(req.priority + 1, n, self.spent + self.budget - budget)
+                    n = self._fit(req.priority, n, self.spent + self.budget - budget)
                 if n <= 0:
                     continue
                 table = grow(rid, start + n)
@@ -196,7 +196,7 @@ class StepBuilder:
     def _fit(self, priority: int, n: int, spent: int | None = None) -> int:
         """How many of `n` prompt tokens a request of `priority` may add to this step as one more
         seq: the most that keep the step's predicted time under the ceiling the running requests
-        of that priority and above set (core/deadlines.py); `n` when no ceiling applies, 0 when
+        of higher priority set (core/deadlines.py); `n` when no ceiling applies, 0 when
         not even one token fits. `spent`: the step's tokens so far, if not yet in `self.spent`."""
         limit = self.sched.deadlines.ceiling[priority]
         if limit == math.inf:

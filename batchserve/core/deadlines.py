@@ -19,9 +19,10 @@ out, and its own rate says so after a few tokens, not at the end.
 Step ceilings protect requests that are running from those that join: a running request
 with a hard deadline can afford steps of (time left) / (tokens left), one whose level has a
 `tpot_ms` target steps of that length; `ceiling[p]` is the least of these over running
-requests of priority >= p, and admission keeps each step's predicted time under the ceiling
-of the joining request's priority (so the important are never slowed by the less important
-joining them, and the admitted set stays feasible).
+requests of priority above p, and admission keeps each step's predicted time under the ceiling
+of the joining request's priority: the important are never slowed by the less important
+joining them, while equals share the steps (holding back an equal would trade its first token
+for the other's last).
 
 Predictions assume a request runs to its max_tokens, and they are 0.0 until the latency
 model has seen enough steps or one step has been measured, so until then only deadlines
@@ -155,9 +156,10 @@ class DeadlineRules:
         if limits is None:
             self.ceiling = _NO_CEILING
         else:
-            for p in range(MAX_PRIORITY - 1, -1, -1):  # a request of priority p protects those of >= p
-                limits[p] = min(limits[p], limits[p + 1])
-            self.ceiling = limits
+            ceiling = [math.inf] * (MAX_PRIORITY + 1)
+            for p in range(MAX_PRIORITY - 1, -1, -1):  # joining at p: the limits of priorities above p
+                ceiling[p] = min(ceiling[p + 1], limits[p + 1])
+            self.ceiling = ceiling
 
     def after_step(self, req: Request, end: float) -> Miss | None:
         """A hard-deadline request whose step ended after its deadline: its result is too late."""
