@@ -132,3 +132,52 @@ def test_a_warmed_up_engine_refuses_an_impossible_hard_deadline_before_any_step(
     assert o.finish_reason == "deadline" and "cannot finish" in o.error
     assert len(eng.executor.batches) == ran  # refused without running a step
     eng.kv.check_all_free()
+
+
+def test_a_request_that_cannot_start_does_not_hold_back_a_more_important_one(make_fake_engine):
+    """Both seats hold long low requests; an aged low request heads the queue but cannot take a
+    seat (it outranks no one). A high request behind it preempts a low one at once instead of
+    waiting for the seats to free."""
+    levels = (LevelConfig("high", tuple(range(7, 11))), LevelConfig("low", tuple(range(0, 7))))
+    eng = make_fake_engine(num_blocks=512, executor=TokenCostExecutor(), max_num_seqs=2,
+                           queue=QueueConfig(levels=levels, urgent_after_ms=20))
+    long = SamplingParams(max_tokens=200, ignore_eos=True)
+    arrivals = [(0.0, dict(prompt=[1] * 4, params=long, request_id=f"run{i}", priority=1)) for i in range(2)]
+    arrivals += [(0.001, dict(prompt=[2] * 4, params=long, request_id="old", priority=1)),
+                 (0.1, dict(prompt=[3] * 4, params=SamplingParams(max_tokens=5, ignore_eos=True),
+                            request_id="hi", priority=9))]
+    done, _ = drive(eng, 0.0, arrivals)
+    assert done["hi"].first_token_time - done["hi"].arrival_time < 0.01
+    assert all(done[r].finish_reason == "length" for r in ("run0", "run1", "old", "hi"))
+
+
+def test_slow_first_tokens_do_not_end_a_hard_deadline_request_that_can_make_it(make_fake_engine):
+    """More important 200-token prompts join the first steps of a hard-deadline request (12 ms
+    steps against 2 ms alone). Its own early rate would predict a miss; the request ends well
+    inside its deadline once they are gone, so it must not be ended."""
+    eng = make_fake_engine(num_blocks=512, executor=TokenCostExecutor(), max_num_batched_tokens=512)
+    t0 = warm(eng)
+    arrivals = [(t0, dict(prompt=[3] * 4, params=SamplingParams(max_tokens=40, ignore_eos=True), request_id="hd",
+                          priority=5, deadline_ms=250, deadline_kind="hard"))]
+    arrivals += [(t0 + 0.0025 + 0.012 * i, dict(prompt=[2] * 200, params=SamplingParams(max_tokens=1), priority=8,
+                                                request_id=f"big{i}")) for i in range(2)]
+    done, _ = drive(eng, t0, arrivals)
+    assert done["hd"].finish_reason == "length", done["hd"].error
+    assert done["hd"].finish_time <= t0 + 0.25
+
+
+def test_a_soft_deadline_answer_is_not_made_late_by_what_joins_its_last_step(make_fake_engine):
+    """Less important 200-token prompts (12 ms steps against 2 ms) now and then beside
+    soft-deadline requests whose answers are cut to their deadline: none may land on a cut
+    answer's last step and make it late."""
+    eng = make_fake_engine(num_blocks=2048, executor=TokenCostExecutor(2048), max_num_batched_tokens=512)
+    t0 = warm(eng)
+    arrivals = [(t0 + 0.043 * i, dict(prompt=[2] * 200, params=SamplingParams(max_tokens=2, ignore_eos=True),
+                                      request_id=f"low{i}", priority=2)) for i in range(7)]
+    arrivals += [(t0 + 0.003 + 0.023 * i, dict(prompt=[4] * 8, params=SamplingParams(max_tokens=200, ignore_eos=True),
+                                               request_id=f"s{i}", priority=5, deadline_ms=40,
+                                               deadline_kind="soft")) for i in range(10)]
+    done, _ = drive(eng, t0, arrivals)
+    for i in range(10):
+        o = done[f"s{i}"]
+        assert o.token_ids and o.finish_time <= o.arrival_time + 0.040 + 1e-9, (i, o.finish_time - o.arrival_time)

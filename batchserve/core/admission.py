@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from batchserve.core.scheduler import Scheduler
 
 _RUNNING = RequestStatus.RUNNING
+_MAX_HELD = 16  # queued requests admission may look past in one step (each costs a queue remove + push)
 
 
 def build_seq(req: Request, n: int, block_table: list[int]) -> ScheduledSeq:
@@ -106,7 +107,7 @@ class StepBuilder:
                 n = min(total - start, budget)
                 if chunk and chunk < n:
                     n = chunk
-                if n > 1 and req.priority < MAX_PRIORITY:  # a prompt chunk: never slows the more important
+                if n > 1:  # a prompt chunk: never slows the more important, nor a deadline due
                     n = self._fit(req.priority, n, self.spent + self.budget - budget)
                 if n <= 0:
                     continue
@@ -144,54 +145,85 @@ class StepBuilder:
     def admit(self, candidates: Iterable[Request] | None = None, *, chunk: int | None = None,
               whole_prompts: bool = False, max_seqs: int | None = None, cover_prompts: bool = False) -> None:
         """Start waiting requests — the queue's head first, or `candidates` in their order —
-        while the budget, the seat cap (`max_num_seqs` running) and the KV blocks allow; stop at
-        the first that does not fit, so the order is kept. Each gets the rest of its prompt
-        (after any cached prefix), cut to `chunk` and to the budget left. `whole_prompts`: a
-        prompt that would fit a fresh step but not what is left waits for the next step rather
-        than be cut. `max_seqs` caps this stage's seqs. `cover_prompts`: start a prompt only when
-        the free blocks cover all of it beside what the prompts under way still owe (starting
-        on the first chunk alone lets many long prompts start and then preempt each other).
+        while the budget, the seat cap (`max_num_seqs` running) and the KV blocks allow. A
+        request that does not fit holds back every later one of its priority or below, so the
+        order among them is kept, but not the more important behind it: one that outranks it (an
+        aged low request at the head, a higher priority in a lower level, a step ceiling that
+        only the important pass) is still tried. Each gets the rest of its prompt (after any
+        cached prefix), cut to `chunk` and to the budget left. `whole_prompts`: a prompt that
+        would fit a fresh step but not what is left waits for the next step rather than be
+        cut. `max_seqs` caps this stage's seqs. `cover_prompts`: start a prompt only when the
+        free blocks cover all of it beside what the prompts under way still owe (starting on
+        the first chunk alone lets many long prompts start and then preempt each other).
         Candidates must be waiting requests."""
+        sched = self.sched
+        kv = sched.kv
+        cap = None if max_seqs is None else self._stage_start + max_seqs
+        owed = [sum([kv.num_blocks_needed(r.request_id, r.num_tokens) for r in sched.running])
+                if cover_prompts else 0]
+        it = iter(candidates) if candidates is not None else None
+        held: list[Request] = []  # taken out of the queue to look past them; put back below
+        floor = -1  # a request of this priority or below did not fit: only higher ones may pass
+        try:
+            while self.budget > 0 and (cap is None or len(self.seqs) < cap):
+                req = sched.waiting.peek() if it is None else next(it, None)
+                if req is None:
+                    break
+                if req.priority > floor:
+                    fit = self._admit_one(req, chunk, whole_prompts, cover_prompts, owed)
+                    if fit is None:
+                        break  # the budget is spent for everyone
+                    if fit:
+                        continue
+                    floor = req.priority
+                    if floor >= MAX_PRIORITY:
+                        break
+                if it is None:  # look past it: out of the queue until this admission is done
+                    if len(held) >= _MAX_HELD:
+                        break
+                    held.append(req)
+                    sched.waiting.remove(req.request_id)
+        finally:
+            for req in held:
+                sched.waiting.push(req)
+
+    def _admit_one(self, req: Request, chunk: int | None, whole_prompts: bool, cover_prompts: bool,
+                   owed: list[int]) -> bool | None:
+        """Start `req` if it fits (True); False when it does not, None when no request would
+        (what is left of the budget is too small for the whole prompt `whole_prompts` asks)."""
         sched = self.sched
         cfg = sched.config
         kv = sched.kv
-        cap = None if max_seqs is None else self._stage_start + max_seqs
-        owed = sum([kv.num_blocks_needed(r.request_id, r.num_tokens) for r in sched.running]) \
-            if cover_prompts else 0
-        it = iter(candidates) if candidates is not None else None
-        while self.budget > 0 and (cap is None or len(self.seqs) < cap):
-            req = sched.waiting.peek() if it is None else next(it, None)
-            if req is None:
-                break
-            n = req.num_tokens - req.num_computed_tokens
-            if whole_prompts and self.budget < n <= cfg.max_num_batched_tokens:
-                break
-            n = min(n, self.budget) if chunk is None else min(chunk, self.budget, n)
-            fit = self._fit(req.priority, n)
-            if fit == 0 or (whole_prompts and fit < n):
-                break  # the step would outlast what a running request can afford
-            n = fit
-            if len(sched.running) >= cfg.max_num_seqs and not self._make_room(req, seat=True):
-                break
-            if cover_prompts:
-                need = owed + kv.num_blocks_needed(req.request_id, req.num_tokens)
-                while kv.num_free_blocks < need and not sched.reclaim(need, below=req):
-                    if not self._make_room(req):
-                        break
-                if kv.num_free_blocks < need:
+        n = req.num_tokens - req.num_computed_tokens
+        if whole_prompts and self.budget < n <= cfg.max_num_batched_tokens:
+            return None
+        n = min(n, self.budget) if chunk is None else min(chunk, self.budget, n)
+        fit = self._fit(req.priority, n)
+        if fit == 0 or (whole_prompts and fit < n):
+            return False  # the step would outlast what a running request can afford
+        n = fit
+        if len(sched.running) >= cfg.max_num_seqs and not self._make_room(req, seat=True):
+            return False
+        if cover_prompts:
+            need = owed[0] + kv.num_blocks_needed(req.request_id, req.num_tokens)
+            while kv.num_free_blocks < need and not sched.reclaim(need, below=req):
+                if not self._make_room(req):
                     break
+            if kv.num_free_blocks < need:
+                return False
+        seq = sched.admit(req, n, self.now)
+        # its blocks don't fit: kept blocks of preempted requests go first, then a victim's
+        while seq is None and (sched.reclaim_one(below=req) or self._make_room(req)):
             seq = sched.admit(req, n, self.now)
-            # its blocks don't fit: kept blocks of preempted requests go first, then a victim's
-            while seq is None and (sched.reclaim_one(below=req) or self._make_room(req)):
-                seq = sched.admit(req, n, self.now)
-            if seq is None:
-                break
-            self._admitted.add(req.request_id)
-            self.seqs.append(seq)
-            self.budget -= seq.num_tokens
-            self.spent += seq.num_tokens
-            if cover_prompts:
-                owed += kv.num_blocks_needed(req.request_id, req.num_tokens)
+        if seq is None:
+            return False
+        self._admitted.add(req.request_id)
+        self.seqs.append(seq)
+        self.budget -= seq.num_tokens
+        self.spent += seq.num_tokens
+        if cover_prompts:
+            owed[0] += kv.num_blocks_needed(req.request_id, req.num_tokens)
+        return True
 
     def _fit(self, priority: int, n: int, spent: int | None = None) -> int:
         """How many of `n` prompt tokens a request of `priority` may add to this step as one more

@@ -6,7 +6,9 @@ the latency model predicts it cannot make it (now + predicted service >= deadlin
 it is queued or running; its blocks are freed at once, and it is never scheduled after its
 deadline. A step that ends past the deadline does not count: the request fails there.
 Soft: a running request's effective `max_tokens` is planned each step from its predicted
-finish, one step early, so the shortened answer arrives by the deadline with finish reason
+finish, one step early — a step as slow as the slowest of the last few measured, since a
+prompt joining a step makes it several decodes long — so the shortened answer arrives by the
+deadline with finish reason
 `deadline_truncated`. A soft request whose deadline passes before it has a token ends with
 finish reason `deadline` (an error saying so), never with silence.
 
@@ -14,7 +16,9 @@ Predictions come from the latency model; before it is fitted, the recent measure
 (`recent_step`) stands in for every step. A running request with two or more tokens out is
 also judged by its own measured time per token, whichever predicts later: under load the
 steps it shares carry other requests' prompt tokens, which a decode-only prediction leaves
-out, and its own rate says so after a few tokens, not at the end.
+out, and its own rate says so after a few tokens, not at the end. For a hard deadline that
+rate counts only after several tokens: its first intervals carry the prompts that joined with
+it and overstate the rest, and an ended request cannot be taken back.
 
 Step ceilings protect requests that are running from those that join: a running request
 with a hard deadline can afford steps of (time left) / (tokens left), one whose level has a
@@ -22,7 +26,9 @@ with a hard deadline can afford steps of (time left) / (tokens left), one whose 
 requests of priority above p, and admission keeps each step's predicted time under the ceiling
 of the joining request's priority: the important are never slowed by the less important
 joining them, while equals share the steps (holding back an equal would trade its first token
-for the other's last).
+for the other's last). One bound holds for equals too: no request joins a step predicted to
+end past the deadline of a running request of its priority or above, since that step would
+carry the other's last token late.
 
 Predictions assume a request runs to its max_tokens, and they are 0.0 until the latency
 model has seen enough steps or one step has been measured, so until then only deadlines
@@ -32,6 +38,7 @@ All times are passed in.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -42,6 +49,8 @@ from batchserve.request import MAX_PRIORITY, Request, RequestStatus
 
 _EWMA = 0.2  # weight of the newest step in the recent-step averages
 _NO_CEILING = [math.inf] * (MAX_PRIORITY + 1)
+_RECENT = 8  # measured steps a soft deadline's plan looks back on (it plans for the slowest)
+_OWN_MIN = 8  # token intervals before a request's own rate may end it for a hard deadline
 
 
 @dataclass(frozen=True)
@@ -88,6 +97,7 @@ class DeadlineRules:
         self.latency = latency
         self.prediction_floor = 0.0
         self.recent_step = 0.0  # seconds, an exponential average of the measured steps
+        self.recent_steps: deque[float] = deque(maxlen=_RECENT)  # the last measured steps
         self._steps = _WithFallback(latency, self)
         self._tpot = {lv.name: lv.tpot_ms / 1000 for lv in (queue or QueueConfig()).levels if lv.tpot_ms}
         self.ceiling: list[float] = _NO_CEILING  # by priority: the longest step a joining request may make
@@ -96,27 +106,34 @@ class DeadlineRules:
         """A step of the running batch took `seconds`."""
         r = self.recent_step
         self.recent_step = seconds if r == 0.0 else r + _EWMA * (seconds - r)
+        self.recent_steps.append(seconds)
 
     def forget_steps(self) -> None:
         """Drop the recent-step average (the steps seen were not representative)."""
         self.recent_step = 0.0
+        self.recent_steps.clear()
 
     @staticmethod
-    def own_step(req: Request, now: float) -> float:
-        """The request's measured seconds per output token so far (0.0 before its second)."""
+    def own_step(req: Request, now: float, min_intervals: int = 1) -> float:
+        """The request's measured seconds per output token so far; 0.0 until it has
+        `min_intervals` intervals between tokens (one: its second token)."""
         n, t = req.num_output_tokens, req.first_token_time
-        return (now - t) / (n - 1) if n >= 2 and t is not None else 0.0
+        return (now - t) / (n - 1) if n > min_intervals and t is not None else 0.0
 
     def service(self, req: Request, num_running: int, joining: bool = False, now: float | None = None) -> float:
         """Seconds `req` still needs if it ran from now beside `num_running` others (plus
         itself, when `joining` from the queue), to its max_tokens; with `now`, no less than
-        its own time per token so far predicts."""
+        its own time per token so far predicts — for a hard deadline only once that rate rests
+        on `_OWN_MIN` intervals, since ending a request is final and its first intervals carry
+        the prompts that joined with it."""
         cfg = self.config
         batch = min(cfg.max_num_seqs, num_running + (1 if joining else 0))
         left = req.max_tokens - req.num_output_tokens
         s = service_time(self._steps, req.num_tokens - req.num_computed_tokens, left, batch,
                          cfg.max_num_batched_tokens)
-        return s if now is None else max(s, left * self.own_step(req, now))
+        if now is None:
+            return s
+        return max(s, left * self.own_step(req, now, _OWN_MIN if req.hard_deadline else 1))
 
     def at_admission(self, req: Request, num_running: int, now: float) -> Miss | None:
         """A new hard-deadline request that cannot make it."""
@@ -133,6 +150,7 @@ class DeadlineRules:
         for req in waiting.refresh(now, lambda r: self.service(r, len(running), joining=True)):
             yield _miss(req, now, self.service(req, len(running), joining=True))
         limits: list[float] | None = None
+        last: list[float] | None = None  # by priority: time left to the nearest running deadline
         tpot = self._tpot
         for req in [r for r in running if r.deadline_ms is not None or r.level in tpot] if tpot else \
                 [r for r in running if r.deadline_ms is not None]:
@@ -149,16 +167,22 @@ class DeadlineRules:
                     yield decision
                     if isinstance(decision, Miss) or decision.finish:
                         continue
+                if last is None:
+                    last = [math.inf] * (MAX_PRIORITY + 1)
+                last[req.priority] = min(last[req.priority], req.deadline - now)  # type: ignore[operator]
             if lim < math.inf:
                 if limits is None:
                     limits = [math.inf] * (MAX_PRIORITY + 1)
                 limits[req.priority] = min(limits[req.priority], lim)
-        if limits is None:
+        if limits is None and last is None:
             self.ceiling = _NO_CEILING
         else:
+            limits = limits or _NO_CEILING
+            last = last or _NO_CEILING
             ceiling = [math.inf] * (MAX_PRIORITY + 1)
+            ceiling[MAX_PRIORITY] = last[MAX_PRIORITY]
             for p in range(MAX_PRIORITY - 1, -1, -1):  # joining at p: the limits of priorities above p
-                ceiling[p] = min(ceiling[p + 1], limits[p + 1])
+                ceiling[p] = min(ceiling[p + 1], limits[p + 1], last[p])
             self.ceiling = ceiling
 
     def after_step(self, req: Request, end: float) -> Miss | None:
@@ -186,8 +210,11 @@ class DeadlineRules:
             self.prediction_floor = min(low, probe)
 
     def _step(self, req: Request, num_running: int, now: float) -> float:
-        """The seconds of one of the running request's next steps."""
-        return max(self._steps.predict_step(num_running, num_running), self.own_step(req, now))
+        """The seconds of one of the running request's next steps, planned for the slowest
+        that is likely: the model's decode step, its own rate so far, or the slowest of the
+        last measured steps (a prompt joining a step makes it several decodes long)."""
+        recent = max(self.recent_steps) if self.recent_steps else 0.0
+        return max(self._steps.predict_step(num_running, num_running), self.own_step(req, now), recent)
 
     def _truncate(self, req: Request, num_running: int, now: float) -> Decision:
         """The tokens that fit before the deadline, planned to end a step early (at least one
