@@ -181,3 +181,41 @@ def test_a_soft_deadline_answer_is_not_made_late_by_what_joins_its_last_step(mak
     for i in range(10):
         o = done[f"s{i}"]
         assert o.token_ids and o.finish_time <= o.arrival_time + 0.040 + 1e-9, (i, o.finish_time - o.arrival_time)
+
+
+def test_refusals_resting_on_stale_slow_steps_are_retried_on_an_idle_engine(make_fake_engine):
+    """Warm-up ran on a machine 50x slower than now. Soon after, a hard deadline the engine
+    could now meet is refused on those steps; once they are old and the engine idle, the next
+    is admitted, runs, and its steps put the latency model right for the one after."""
+    from batchserve.engine.clock import SimClock
+
+    class SlowAtFirst(TokenCostExecutor):
+        slow = 50.0
+
+        def execute(self, batch):
+            out = super().execute(batch)
+            self.step_time *= self.slow
+            self.clock.set(self.clock.now() + self.step_time - self.step_time / self.slow)
+            return out
+
+    clock = SimClock()
+    eng = make_fake_engine(executor=SlowAtFirst(64, clock))
+    eng.clock = clock
+    eng.warm_up()
+    eng.executor.slow = 1.0
+    hard = dict(params=SamplingParams(max_tokens=20, ignore_eos=True), deadline_ms=200, deadline_kind="hard")
+
+    def run(rid, at):
+        clock.set(at)
+        eng.add_request([1] * 8, now=at, request_id=rid, **hard)
+        while eng.has_unfinished:
+            for o in eng.step(now=clock.now()).outputs:
+                if o.finished:
+                    return o
+
+    t = clock.now()
+    assert run("soon", t + 1).finish_reason == "deadline"  # steps 1 s old: trusted, refused
+    later = run("later", t + 60)  # steps a minute old on an idle engine: not trusted
+    assert later.finish_reason == "length" and later.finish_time <= later.arrival_time + 0.2
+    assert run("next", clock.now() + 0.01).finish_reason == "length"  # judged on the new steps
+    eng.kv.check_all_free()

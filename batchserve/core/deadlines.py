@@ -51,6 +51,7 @@ _EWMA = 0.2  # weight of the newest step in the recent-step averages
 _NO_CEILING = [math.inf] * (MAX_PRIORITY + 1)
 _RECENT = 8  # measured steps a soft deadline's plan looks back on (it plans for the slowest)
 _OWN_MIN = 8  # token intervals before a request's own rate may end it for a hard deadline
+_STALE_S = 30.0  # an idle engine's step measurements older than this may not refuse a request
 
 
 @dataclass(frozen=True)
@@ -98,15 +99,18 @@ class DeadlineRules:
         self.prediction_floor = 0.0
         self.recent_step = 0.0  # seconds, an exponential average of the measured steps
         self.recent_steps: deque[float] = deque(maxlen=_RECENT)  # the last measured steps
+        self.last_step_at: float | None = None  # when the newest measured step ended
         self._steps = _WithFallback(latency, self)
         self._tpot = {lv.name: lv.tpot_ms / 1000 for lv in (queue or QueueConfig()).levels if lv.tpot_ms}
         self.ceiling: list[float] = _NO_CEILING  # by priority: the longest step a joining request may make
 
-    def observe_step(self, seconds: float) -> None:
-        """A step of the running batch took `seconds`."""
+    def observe_step(self, seconds: float, now: float | None = None) -> None:
+        """A step of the running batch took `seconds`, ending at `now`."""
         r = self.recent_step
         self.recent_step = seconds if r == 0.0 else r + _EWMA * (seconds - r)
         self.recent_steps.append(seconds)
+        if now is not None:
+            self.last_step_at = now
 
     def forget_steps(self) -> None:
         """Drop the recent-step average (the steps seen were not representative)."""
@@ -135,12 +139,24 @@ class DeadlineRules:
             return s
         return max(s, left * self.own_step(req, now, _OWN_MIN if req.hard_deadline else 1))
 
-    def at_admission(self, req: Request, num_running: int, now: float) -> Miss | None:
-        """A new hard-deadline request that cannot make it."""
+    def at_admission(self, req: Request, num_running: int, now: float, idle: bool = False) -> Miss | None:
+        """A new hard-deadline request that cannot make it. On an `idle` engine whose newest
+        measured step is older than `_STALE_S`, a refusal is not trusted: the measurements are
+        forgotten and the request is judged again, so admitted, and its steps measure anew.
+        Without this a server whose steps were slow once (a busy machine at warm-up) would
+        refuse every hard deadline for good, since a refused request runs no step to correct it."""
         if not req.hard_deadline:
             return None
         s = self.service(req, num_running, joining=True)
-        return None if now + s < req.deadline else _miss(req, now, s)
+        if now + s < req.deadline:
+            return None
+        if idle and self.last_step_at is not None and now - self.last_step_at > _STALE_S \
+                and hasattr(self.latency, "clear"):
+            self.latency.clear()
+            self.forget_steps()
+            self.last_step_at = None
+            return self.at_admission(req, num_running, now)
+        return _miss(req, now, s)
 
     def before_step(self, waiting: AdmissionQueue, running: list[Request], now: float) -> Iterator[Decision]:
         """Queued and running hard-deadline requests that cannot make it; soft-deadline running

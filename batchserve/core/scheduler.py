@@ -68,7 +68,8 @@ class Scheduler:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         self.waiting.resolve(req)  # level defaults (deadline) first: admission checks use them
         self.requests[req.request_id] = req
-        miss = self.deadlines.at_admission(req, len(self.running), now)
+        idle = not self.running and not len(self.waiting)
+        miss = self.deadlines.at_admission(req, len(self.running), now, idle=idle)
         if miss is not None:
             self.apply(miss, now)
             return
@@ -188,7 +189,7 @@ class Scheduler:
         that hit EOS / a stop token / their length. Returns every request that changed."""
         if self._scheduled_at is not None:
             self.latency.observe(batch.num_tokens, batch.num_seqs, now - self._scheduled_at)
-            self.deadlines.observe_step(now - self._scheduled_at)
+            self.deadlines.observe_step(now - self._scheduled_at, now)
             self._scheduled_at = None
         changed: list[Request] = []
         requests, sampled = self.requests, output.sampled
