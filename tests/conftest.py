@@ -114,13 +114,13 @@ def _install_tier_guards(config) -> None:
     get, resolve = kernels._get, loader.resolve_model_path
     _tier["collect_builds"] = _kernels_selected(config)
 
-    def guarded_get(name, source, what):
+    def guarded_get(name):
         item = _tier["item"]
         if item is None and not _tier["collect_builds"]:
             return None
         if item is not None and not _allowed(item, _KERNEL_OK):
-            raise _violation(item, f"called runner/kernels.py for the {what}", _KERNEL_OK)
-        return get(name, source, what)
+            raise _violation(item, f"called runner/kernels.py for the {kernels.KERNELS[name][1]}", _KERNEL_OK)
+        return get(name)
 
     def guarded_resolve(model):
         path = resolve(model)

@@ -11,7 +11,7 @@ import torch
 from batchserve.config import CacheConfig, ModelConfig, kv_cache_dtype_name
 from batchserve.core.batch import ScheduledBatch, StepOutput
 from batchserve.runner.attention import AttnMeta, gather_rows, scatter_rows, slot_rows, to_cache_dtype
-from batchserve.runner.kernels import fused_ops_ext, paged_attention_ext
+from batchserve.runner.kernels import build_all, fused_ops_ext, paged_attention_ext
 from batchserve.runner.loader import LoadedModel
 from batchserve.runner.models.llama import LlamaModel, has_int_blocks
 from batchserve.runner.sampler import sample
@@ -96,6 +96,9 @@ class ModelRunner:
         if model_cfg.num_threads:
             torch.set_num_threads(model_cfg.num_threads)
         self.device = torch.device(model_cfg.device)
+        if self.device.type == "cpu" and (model_cfg.attention_backend != "torch"
+                                          or model_cfg.linear_backend in ("auto", "cpp")):
+            build_all()  # the kernels this runner may use, compiled at once on a first start
         self.cfg = loaded.config
         dtype = loaded.weights["model.embed_tokens.weight"].dtype
         self.kv_dtype = resolve_kv_cache_dtype(model_cfg, cache_cfg)
