@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from batchserve.request import DEFAULT_PRIORITY, MAX_INT32, RequestError, RequestSpec, SamplingParams
+from batchserve.request import (DEFAULT_PRIORITY, MAX_INT32, MAX_PRIORITY, MIN_PRIORITY, RequestError, RequestSpec,
+                                SamplingParams)
 from batchserve.server import fields
 from batchserve.server.fields import FieldSpec, Status
 
@@ -234,11 +235,28 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(v)
 
 
+def engine_priority(priority: Any, order: str) -> int:
+    """The engine's native priority (MIN_PRIORITY..MAX_PRIORITY, higher first) for a request's
+    `priority` read in `order`: "native" is that scale itself; "vllm" is vLLM's, lower first with
+    0 the default, mapped to DEFAULT_PRIORITY - priority. A vLLM value beyond the native range is
+    refused rather than clamped, since clamping would silently make unequal priorities equal."""
+    if priority is None:
+        return DEFAULT_PRIORITY  # both orders' defaults are the native middle
+    if order == "native":
+        return priority  # checked by RequestSpec
+    lo, hi = DEFAULT_PRIORITY - MAX_PRIORITY, DEFAULT_PRIORITY - MIN_PRIORITY
+    if not isinstance(priority, int) or isinstance(priority, bool) or not lo <= priority <= hi:
+        raise bad("priority", f"must be an integer in [{lo}, {hi}], lower first (vLLM's order, default 0), "
+                  f"got {_show(priority)}")
+    return DEFAULT_PRIORITY - priority
+
+
 def parse_generation(body: dict[str, Any], chat: bool, default_max_tokens: int = 1024,
-                     lenient: bool = False) -> GenerationRequest:
+                     lenient: bool = False, priority_order: str = "native") -> GenerationRequest:
     """Validate a completion (chat=False) or chat completion body; raise APIError (400). A chat
     request that sets no max_tokens may use the room its context leaves, up to `default_max_tokens`.
-    A field this server does not know is refused, naming it, unless `lenient` (then ignored)."""
+    A field this server does not know is refused, naming it, unless `lenient` (then ignored).
+    `priority` is read in `priority_order` (see engine_priority)."""
     if not lenient:
         _refuse_unknown(body, _NAMES[chat])
     model = body.get("model")
@@ -265,14 +283,14 @@ def parse_generation(body: dict[str, Any], chat: bool, default_max_tokens: int =
     if opts and not lenient:
         _refuse_unknown(opts, _STREAM_OPTIONS, "stream_options")
     include_usage = bool(_bool(opts, "include_usage", "stream_options.include_usage")) if opts else False
-    priority = body.get("priority")
+    priority = engine_priority(body.get("priority"), priority_order)
     try:
         params = SamplingParams(
             max_tokens=max_tokens if max_tokens is not None else (1 if chat else 16),
             temperature=1.0 if temperature is None else temperature, top_p=1.0 if top_p is None else top_p,
             top_k=max(0, top_k or 0), seed=_int(body, "seed"), stop=_stop(body),
             ignore_eos=bool(_bool(body, "ignore_eos")))
-        spec = RequestSpec(params, prompt, messages, priority=DEFAULT_PRIORITY if priority is None else priority,
+        spec = RequestSpec(params, prompt, messages, priority=priority,
                            deadline_ms=body.get("deadline_ms"), deadline_kind=body.get("deadline_kind"),
                            auto_max_tokens=default_max_tokens if chat and max_tokens is None else None,
                            tenant=body.get("user"))
