@@ -349,7 +349,14 @@ class ServerConfig:
     (comma-separated; `*`: any) is what the Host header may name, by default the bind address
     (and localhost when it is a loopback one): a DNS-rebinding page cannot reach a local server.
     A model step running past `step_timeout_s` (0: no bound) marks the engine stalled: /health
-    turns 503 and the requests in flight fail; an engine thread that dies ends the process."""
+    turns 503 and the requests in flight fail; an engine thread that dies ends the process.
+
+    `priority_order` is how a request's `priority` reads: native, 0-10 with higher served first
+    (default 5); vllm, vLLM's order, lower first (default 0), mapped at the HTTP boundary to
+    native 5 - priority (so -5..5 covers the native scale; values beyond are refused). An answer
+    cut short by a soft deadline reports finish_reason `length` (one of OpenAI's, which clients
+    switch on) with `batchserve_finish_reason: deadline_truncated` beside it, or, with
+    `native_finish_reasons`, `deadline_truncated` itself."""
 
     host: str = _flag("127.0.0.1", "address to listen on")
     port: int = _flag(8000, "port to listen on (0: any free port)")
@@ -368,6 +375,10 @@ class ServerConfig:
     allowed_hosts: str | None = _flag(None, "Host header names accepted, comma-separated, '*': any "
                                       "(default: the bind address)")
     step_timeout_s: float = _flag(60.0, "a model step running longer marks the engine stalled (0: no bound)")
+    priority_order: Literal["native", "vllm"] = _flag(
+        "native", "request priority: native 0-10, higher first (default 5); vllm: lower first (default 0)")
+    native_finish_reasons: bool = _flag(False, "report a soft-deadline cut as finish_reason deadline_truncated, "
+                                        "not length")
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -392,6 +403,8 @@ class ServerConfig:
                f"must be >= 0, got {self.step_timeout_s!r}")
         _check(self.allowed_hosts is None or (isinstance(self.allowed_hosts, str) and self.allowed_hosts.strip()),
                "server.allowed_hosts", "must be a non-empty string")
+        _check(self.priority_order in ("native", "vllm"), "server.priority_order",
+               f"must be 'native' or 'vllm', got {self.priority_order!r}")
 
 
 # The sections of a configuration: EngineConfig's fields, then `server`. A config file has one

@@ -127,7 +127,7 @@ async def send_one(session: aiohttp.ClientSession, item: WorkItem, cfg: ClientCo
                             rec.first_token_time = t
                         chunks += 1
                     if ch.get("finish_reason"):
-                        rec.finish_reason = ch["finish_reason"]
+                        rec.finish_reason = ch.get("batchserve_finish_reason") or ch["finish_reason"]
                 usage = obj.get("usage")
                 if usage:
                     rec.output_tokens = int(usage.get("completion_tokens", 0))

@@ -153,7 +153,7 @@ class ServerState:
         self.check_auth(request)
         self.check_admission()
         g = parse_generation(await self.read_json(request), chat, self.config.default_max_tokens,
-                             lenient=self.config.lenient_fields)
+                             lenient=self.config.lenient_fields, priority_order=self.config.priority_order)
         if g.model != self.model_name:
             raise APIError(404, f"model {g.model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
@@ -176,7 +176,8 @@ class ServerState:
                                          background=BackgroundTask(end.later))
             out = await self.until_disconnect(request, stream.collect(), rid)
             self._raise_if_failed(out)
-            return JSONResponse(completion_body(rid, int(time.time()), g.model, out, chat),
+            return JSONResponse(completion_body(rid, int(time.time()), g.model, out, chat,
+                                                self.config.native_finish_reasons),
                                 headers={"X-Request-Id": rid})
         except ClientGone:
             return Response(status_code=499)  # nobody is listening; for the logs only
@@ -205,7 +206,8 @@ class ServerState:
 
     async def _sse(self, g: GenerationRequest, rid: str, stream: RequestStream, first: RequestOutput,
                    end: "_StreamEnd") -> AsyncIterator[bytes]:
-        writer = ChunkWriter(rid, int(time.time()), g.model, g.chat, g.include_usage)
+        writer = ChunkWriter(rid, int(time.time()), g.model, g.chat, g.include_usage,
+                             self.config.native_finish_reasons)
         try:
             out = first
             yield writer.write(out)

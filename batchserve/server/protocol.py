@@ -15,20 +15,17 @@ from typing import Any
 
 import numpy as np
 
-from batchserve.request import DEFAULT_PRIORITY, MAX_INT32, RequestError, RequestSpec, SamplingParams
+from batchserve.request import (DEFAULT_PRIORITY, MAX_INT32, MAX_PRIORITY, MIN_PRIORITY, RequestError, RequestSpec,
+                                SamplingParams)
+from batchserve.server import fields
+from batchserve.server.fields import FieldSpec, Status
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
-# Fields we accept only at their "off" value: silently ignoring them would change answers.
-_UNSUPPORTED = {
-    "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""), "logprobs": (None, False),
-    "top_logprobs": (None, 0), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []),
-}
-# Every field a body may have; any other is refused (a misspelt `max_token` would otherwise
-# be ignored, and the answer silently use the default), unless the server is lenient.
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop", "seed",
-           "ignore_eos", "priority", "deadline_ms", "deadline_kind", "user", *_UNSUPPORTED}
-_FIELDS = {False: frozenset(_COMMON | {"prompt"}), True: frozenset(_COMMON | {"messages", "max_completion_tokens"})}
+# Which fields a body may hold, and which of them are accepted only at their defaults or not at
+# all, come from the one field table (fields.py): a field this server would ignore is refused.
+_FIELDS = {chat: fields.for_endpoint(chat) for chat in (False, True)}
+_NAMES = {chat: frozenset(table) for chat, table in _FIELDS.items()}
+_LIMITED = {chat: tuple(f for f in table.values() if f.status is not Status.HONOURED) for chat, table in _FIELDS.items()}
 _MESSAGE_FIELDS = frozenset({"role", "content", "name"})
 _STREAM_OPTIONS = frozenset({"include_usage"})
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string literal
@@ -125,6 +122,19 @@ def _refuse_unknown(d: dict, allowed: frozenset[str], where: str = "") -> None:
         names = [f"{where}.{k}" if where else k for k in unknown]
         raise bad(names[0], f"unknown field{'s' if len(names) > 1 else ''} {', '.join(map(repr, names))} "
                   "(this server refuses fields it would ignore)", code="unknown_field")
+
+
+def _refuse_unsupported(body: dict, spec: FieldSpec) -> None:
+    """A 400 naming `spec` if the body sets it to a value this server would not honour: for a
+    refused field anything but null, for a default-only one anything but its defaults."""
+    v = body.get(spec.name)
+    if v is None or (spec.status is Status.DEFAULT_ONLY and any(fields.same_value(v, d) for d in spec.values)):
+        return
+    if spec.status is Status.REFUSED:
+        raise bad(spec.name, f"is not supported by this server ({spec.note})", code="unsupported_parameter")
+    only = " or ".join(json.dumps(d) for d in spec.values)
+    raise bad(spec.name, f"only {only} is supported by this server, got {_show(v)} ({spec.note})",
+              code="unsupported_parameter")
 
 
 def _show(v: Any) -> str:
@@ -225,22 +235,35 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(v)
 
 
+def engine_priority(priority: Any, order: str) -> int:
+    """The engine's native priority (MIN_PRIORITY..MAX_PRIORITY, higher first) for a request's
+    `priority` read in `order`: "native" is that scale itself; "vllm" is vLLM's, lower first with
+    0 the default, mapped to DEFAULT_PRIORITY - priority. A vLLM value beyond the native range is
+    refused rather than clamped, since clamping would silently make unequal priorities equal."""
+    if priority is None:
+        return DEFAULT_PRIORITY  # both orders' defaults are the native middle
+    if order == "native":
+        return priority  # checked by RequestSpec
+    lo, hi = DEFAULT_PRIORITY - MAX_PRIORITY, DEFAULT_PRIORITY - MIN_PRIORITY
+    if not isinstance(priority, int) or isinstance(priority, bool) or not lo <= priority <= hi:
+        raise bad("priority", f"must be an integer in [{lo}, {hi}], lower first (vLLM's order, default 0), "
+                  f"got {_show(priority)}")
+    return DEFAULT_PRIORITY - priority
+
+
 def parse_generation(body: dict[str, Any], chat: bool, default_max_tokens: int = 1024,
-                     lenient: bool = False) -> GenerationRequest:
+                     lenient: bool = False, priority_order: str = "native") -> GenerationRequest:
     """Validate a completion (chat=False) or chat completion body; raise APIError (400). A chat
     request that sets no max_tokens may use the room its context leaves, up to `default_max_tokens`.
-    A field this server does not know is refused, naming it, unless `lenient` (then ignored)."""
+    A field this server does not know is refused, naming it, unless `lenient` (then ignored).
+    `priority` is read in `priority_order` (see engine_priority)."""
     if not lenient:
-        _refuse_unknown(body, _FIELDS[chat])
+        _refuse_unknown(body, _NAMES[chat])
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad("model", "is required and must be a string" if model is None else f"must be a string, got {_show(model)}")
-    for name, allowed in _UNSUPPORTED.items():
-        if body.get(name) not in allowed:
-            raise bad(name, "is not supported by this server", code="unsupported_parameter")
-    n = _int(body, "n")
-    if n not in (None, 1):
-        raise bad("n", f"only n=1 is supported, got {n}", code="unsupported_parameter")
+    for spec in _LIMITED[chat]:
+        _refuse_unsupported(body, spec)
     prompt = messages = None
     if chat:
         messages = _messages(body, lenient)
@@ -260,14 +283,14 @@ def parse_generation(body: dict[str, Any], chat: bool, default_max_tokens: int =
     if opts and not lenient:
         _refuse_unknown(opts, _STREAM_OPTIONS, "stream_options")
     include_usage = bool(_bool(opts, "include_usage", "stream_options.include_usage")) if opts else False
-    priority = body.get("priority")
+    priority = engine_priority(body.get("priority"), priority_order)
     try:
         params = SamplingParams(
             max_tokens=max_tokens if max_tokens is not None else (1 if chat else 16),
             temperature=1.0 if temperature is None else temperature, top_p=1.0 if top_p is None else top_p,
             top_k=max(0, top_k or 0), seed=_int(body, "seed"), stop=_stop(body),
             ignore_eos=bool(_bool(body, "ignore_eos")))
-        spec = RequestSpec(params, prompt, messages, priority=DEFAULT_PRIORITY if priority is None else priority,
+        spec = RequestSpec(params, prompt, messages, priority=priority,
                            deadline_ms=body.get("deadline_ms"), deadline_kind=body.get("deadline_kind"),
                            auto_max_tokens=default_max_tokens if chat and max_tokens is None else None,
                            tenant=body.get("user"))

@@ -1,5 +1,6 @@
 """The OpenAI response side: JSON bodies, SSE chunks, and what each finish reason means on
-the wire (`FAILURES`: the one table from finish reasons to HTTP errors)."""
+the wire (`FAILURES`: the one table from finish reasons to HTTP errors; `WIRE_REASONS`: the
+answered reasons outside OpenAI's set, and the OpenAI one reported in their place)."""
 from __future__ import annotations
 
 import json
@@ -13,13 +14,29 @@ from batchserve.server.protocol import APIError
 SSE_DONE = b"data: [DONE]\n\n"
 _R = FinishReason
 # Finish reasons that are not a normal answer: (HTTP status, what happened, code, type, retry?).
-# Every other reason (stop, length, deadline_truncated) is a 200.
+# Every other reason (stop, length, deadline_truncated) is a 200. A missed hard deadline will be
+# missed again: x-should-retry tells the OpenAI SDKs not to resend it (they retry 5xx by default).
 FAILURES: dict[FinishReason, tuple[int, str, str, str, bool]] = {
     _R.DEADLINE: (504, "the request's hard deadline was missed", "deadline_exceeded", "timeout_error", False),
     _R.REJECTED: (503, "the request was dropped from a full queue", "dropped", "overloaded_error", True),
     _R.ABORT: (503, "the request was aborted (server shutting down)", "aborted", "overloaded_error", True),
     _R.ERROR: (500, "generation failed", "model_error", "server_error", False),
 }
+
+
+# Clients switch on OpenAI's finish reasons (stop, length, ...): an answer cut short for a soft
+# deadline is "length" to them, and the real reason rides beside it as batchserve_finish_reason.
+WIRE_REASONS: dict[FinishReason, str] = {_R.TRUNCATED: "length"}
+EXTRA_REASON = "batchserve_finish_reason"
+
+
+def finish_fields(reason: FinishReason | None, native: bool = False) -> dict[str, Any]:
+    """A choice's finish_reason, and batchserve_finish_reason where the OpenAI-set value stands
+    in for ours; with `native`, our reason itself and nothing beside it."""
+    wire = None if native or reason is None else WIRE_REASONS.get(reason)
+    if wire is None:
+        return {"finish_reason": reason}
+    return {"finish_reason": wire, EXTRA_REASON: str(reason)}
 
 
 def retry_after(seconds: float) -> dict[str, str]:
@@ -36,7 +53,8 @@ def output_error(out: RequestOutput, retry_after_s: float = 1.0) -> APIError | N
     detail = f": {out.error}" if out.error else ""  # the engine's own words, never exception text
     if status >= 500:  # what the server log can be searched by
         detail += f" (request id {out.request_id})"
-    return APIError(status, what + detail, code=code, type=kind, headers=retry_after(retry_after_s) if retry else {})
+    headers = retry_after(retry_after_s) if retry else {"x-should-retry": "false"}
+    return APIError(status, what + detail, code=code, type=kind, headers=headers)
 
 
 def usage(out: RequestOutput) -> dict[str, int]:
@@ -44,13 +62,14 @@ def usage(out: RequestOutput) -> dict[str, int]:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def completion_body(rid: str, created: int, model: str, out: RequestOutput, chat: bool) -> dict[str, Any]:
-    """The non-streaming response for a finished output."""
+def completion_body(rid: str, created: int, model: str, out: RequestOutput, chat: bool,
+                    native_finish: bool = False) -> dict[str, Any]:
+    """The non-streaming response for a finished output (`native_finish`: see finish_fields)."""
+    finish = finish_fields(out.finish_reason, native_finish)
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
-                  "finish_reason": out.finish_reason}
+        choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None, **finish}
     else:
-        choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
+        choice = {"index": 0, "text": out.text, "logprobs": None, **finish}
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": model, "choices": [choice], "usage": usage(out)}
 
@@ -62,9 +81,10 @@ def sse(obj: dict[str, Any]) -> bytes:
 class ChunkWriter:
     """Turns a request's outputs into SSE bytes: one write per output read."""
 
-    def __init__(self, rid: str, created: int, model: str, chat: bool, include_usage: bool) -> None:
+    def __init__(self, rid: str, created: int, model: str, chat: bool, include_usage: bool,
+                 native_finish: bool = False) -> None:
         self.rid, self.created, self.model, self.chat = rid, created, model, chat
-        self.include_usage = include_usage
+        self.include_usage, self.native_finish = include_usage, native_finish
         self._started = False
         # A text delta is most of a stream's chunks, and only its text changes: the bytes around
         # it are built once (the same bytes sse() would write for the whole object; the text is
@@ -83,11 +103,12 @@ class ChunkWriter:
             obj["usage"] = usage_
         return sse(obj)
 
-    def _choice(self, text: str | None, finish: str | None) -> dict[str, Any]:
+    def _choice(self, text: str | None, finish: FinishReason | None) -> dict[str, Any]:
+        reason = finish_fields(finish, self.native_finish)
         if self.chat:
             delta = {} if text is None else {"content": text}
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return {"index": 0, "delta": delta, "logprobs": None, **reason}
+        return {"index": 0, "text": text or "", "logprobs": None, **reason}
 
     def write(self, out: RequestOutput) -> bytes:
         """Chunks for one (possibly merged) output; the last ones once it is finished."""
