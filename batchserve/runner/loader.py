@@ -101,6 +101,32 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     return loaded
 
 
+def check_model(cfg: ModelConfig) -> LlamaConfig:
+    """The model's configuration, read without its weights (a HF directory's config.json, a
+    GGUF file's metadata): ModelLoadError if the model cannot be found or is not supported. What
+    `serve` checks before it starts listening, in well under a second, so that an unusable
+    model stops the command with the reason instead of leaving a server that never gets ready."""
+    if cfg.model == "dummy":
+        try:
+            return LlamaConfig.from_hf(cfg.dummy_config) if cfg.dummy_config else LlamaConfig()
+        except UnsupportedModelError as e:
+            raise ModelLoadError(f"model 'dummy': {e}") from e
+    path = resolve_model_path(cfg.model)
+    if os.path.isdir(path):
+        config = read_hf_config(path)
+        if not any(f.endswith(".safetensors") for f in os.listdir(path)):
+            raise ModelLoadError(f"model {path!r}: no *.safetensors files")
+        return config
+    if not path.endswith(".gguf"):
+        raise ModelLoadError(f"model {path!r}: expected a .gguf file or a Hugging Face directory")
+    from gguf import GGUFReader
+
+    try:
+        return _gguf_config(GGUFReader(path))
+    except UnsupportedModelError as e:
+        raise ModelLoadError(f"model {path!r}: {e}") from e
+
+
 def release_freed_memory() -> None:
     """Give heap pages freed after loading back to the OS. glibc keeps them otherwise: the float32
     copies of a GGUF model's matrices that the runner did not keep, ~0.5 GB of resident memory for
