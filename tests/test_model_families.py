@@ -87,3 +87,28 @@ def test_mistral_sliding_window_that_bites(tmp_path):
 
     assert_parity(MistralConfig(**TINY, sliding_window=6), tmp_path)
     assert ours(str(tmp_path), policy="chunked", chunk_size=4) == ours(str(tmp_path))
+
+
+def test_qwen2_qkv_biases(tmp_path):
+    from transformers import Qwen2Config
+
+    assert_parity(Qwen2Config(**TINY, tie_word_embeddings=True), tmp_path)
+
+
+def test_qwen2_sliding_window_on_the_upper_layers(tmp_path):
+    from transformers import Qwen2Config
+
+    assert_parity(Qwen2Config(**TINY, use_sliding_window=True, sliding_window=5, max_window_layers=1), tmp_path)
+
+
+def test_qwen3_qk_norm_and_wide_heads(tmp_path):
+    """Qwen3's per-head q/k RMSNorm, with head_dim * heads != hidden_size as in the real models."""
+    from transformers import Qwen3Config
+
+    assert_parity(Qwen3Config(**TINY, head_dim=32, rope_theta=1e6), tmp_path)
+
+
+def test_qwen3_with_attention_bias(tmp_path):
+    from transformers import Qwen3Config
+
+    assert_parity(Qwen3Config(**TINY, head_dim=16, attention_bias=True), tmp_path)
