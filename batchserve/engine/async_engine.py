@@ -13,7 +13,8 @@ refused at once, not at the next step boundary.
 
 A watchdog on the event loop keeps the engine thread honest: a step running past
 `step_timeout_s` fails the requests in flight (the engine is "stalled" until the step ends),
-and a thread that dies fails them too and calls `on_dead` (the server then exits non-zero).
+and a thread that dies fails them too and calls `on_dead` (the server then exits non-zero), as
+does a model that fails to load (`load_error`): nothing could ever be served.
 """
 from __future__ import annotations
 
@@ -289,6 +290,7 @@ class AsyncEngine(EngineClient):
             log.exception("engine failed to start")
             self.load_error = e
             self._fail_inbox(EngineStoppedError(f"engine failed to start: {e}"))
+            self._to_loop(self._on_death, e)  # nothing can ever be served: let the server stop
             return
         self._ready.set()
         try:

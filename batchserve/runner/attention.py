@@ -188,10 +188,17 @@ def _rows(meta: AttnMeta, what: str, slots: torch.Tensor, cache: torch.Tensor) -
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta,
-                    stored: bool = False) -> torch.Tensor:
+                    stored: bool = False, scale: float | None = None, window: int | None = None) -> torch.Tensor:
     """q: [T, n_h, hd]; k, v: [T, n_kv, hd] for the new tokens. Writes k, v into the cache
-    (unless `stored`: the caller already did), then returns the attention output [T, n_h, hd]."""
+    (unless `stored`: the caller already did), then returns the attention output [T, n_h, hd].
+    `scale`: the softmax scale (None: hd ** -0.5). `window`: each query attends only to the
+    `window` latest positions, its own included (a sliding-window layer); the PyTorch path only,
+    so a model with such layers runs without the C++ kernel (meta.kernel None)."""
     T, n_h, hd = q.shape
+    if scale is None:
+        scale = hd ** -0.5
+    if window is not None and meta.kernel is not None:
+        raise ValueError("sliding-window attention runs on the PyTorch path only (build AttnMeta without a kernel)")
     if not stored and k_cache.dtype == torch.uint8:  # int8 cache: quantized by the kernel (cpu_math.h)
         meta.kernel.kv_int8_store(k_cache, v_cache, k, v, meta.slot_mapping)
     elif not stored:
@@ -200,14 +207,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         scatter_rows(v_cache, rows, to_cache_dtype(v, v_cache.dtype))
     if meta.decode_only:  # a pure decode step: the kernel's output is the answer
         return meta.kernel.paged_decode(q, k_cache, v_cache, meta.dec_tables, meta.dec_lens,
-                                        meta.block_size, hd ** -0.5)
+                                        meta.block_size, scale)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     g = n_h // k.shape[1]
     prefills = meta.prefills
     if prefills and meta.kernel is not None and meta.kernel.prefill_supported(hd):
         # every chunk at once, each cached K/V element read once per 16 queries, no copies
         meta.kernel.paged_prefill(q, k_cache, v_cache, meta.pf_tables, meta.pf_spans, meta.block_size,
-                                  hd ** -0.5, out)
+                                  scale, out)
         prefills = []
     for sp in prefills:
         # 4-D inputs with the kv heads repeated: SDPA's `enable_gqa` and 3-D inputs both send the CPU
@@ -224,18 +231,24 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if g > 1:
             ks, vs = ks.repeat_interleave(g, dim=1), vs.repeat_interleave(g, dim=1)
         ks, vs = ks.transpose(0, 1)[None], vs.transpose(0, 1)[None]  # [1, n_h, ctx, hd]
+        if window is not None:
+            n = sp.end - sp.start
+            q_pos = torch.arange(sp.ctx_start, sp.ctx_start + n, device=q.device)[:, None]
+            k_pos = torch.arange(ks.shape[2], device=q.device)[None, :] + (sp.ctx_start if mask is None else 0)
+            near = k_pos > q_pos - window
+            mask = near & (k_pos <= q_pos) if mask is None else mask & near
         if mask is None:
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
         else:
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
         out[sp.start:sp.end] = o[0].transpose(0, 1)
     if meta.dec_rows is not None:
         qd = q[meta.dec_lo:meta.dec_hi] if meta.dec_contiguous else q[meta.dec_rows]  # [Bd, n_h, hd]
         if meta.kernel is not None:  # reads each cached K/V element once, no gathered copy
             o = meta.kernel.paged_decode(qd, k_cache, v_cache, meta.dec_tables, meta.dec_lens,
-                                         meta.block_size, hd ** -0.5)
+                                         meta.block_size, scale)
         else:
-            o = _decode_torch(qd, k_cache, v_cache, meta)
+            o = _decode_torch(qd, k_cache, v_cache, meta, scale, window)
         if meta.dec_contiguous:
             out[meta.dec_lo:meta.dec_hi] = o
         else:
@@ -243,8 +256,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out
 
 
-def _decode_torch(qd: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
-    """Decode attention by gathering each request's history (padded to the longest) and SDPA."""
+def _decode_torch(qd: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta,
+                  scale: float, window: int | None = None) -> torch.Tensor:
+    """Decode attention by gathering each request's history (padded to the longest) and SDPA;
+    `window`: only the latest `window` positions of each."""
     bd, n_h, hd = qd.shape
     n_kv = k_cache.shape[1]
     g = n_h // n_kv
@@ -254,5 +269,9 @@ def _decode_torch(qd: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     rows = _rows(meta, "dec", meta.dec_slots_flat, k_cache)
     kd = gather_rows(k_cache, rows).to(qd.dtype).view(bd, tmax, n_kv, hd).transpose(1, 2)
     vd = gather_rows(v_cache, rows).to(qd.dtype).view(bd, tmax, n_kv, hd).transpose(1, 2)
-    o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.dec_mask)  # [Bd, n_kv, g, hd]
+    mask = meta.dec_mask  # [Bd, 1, 1, Tmax]
+    if window is not None:
+        lens = mask.sum(-1, keepdim=True)  # the context lengths
+        mask = mask & (torch.arange(tmax, device=mask.device) >= lens - window)
+    o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)  # [Bd, n_kv, g, hd]
     return o.reshape(bd, n_h, hd)

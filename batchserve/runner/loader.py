@@ -1,6 +1,9 @@
 """Load a Llama-family model: a GGUF file, a Hugging Face directory, or dummy weights.
 
-Every source ends as (LlamaConfig, weights with Hugging Face names, tokenizer or None).
+Every source ends as (LlamaConfig, weights with Hugging Face names, tokenizer or None). A
+checkpoint whose config asks for arithmetic the decoder does not compute, or whose tensors are
+not exactly the ones its config implies, is refused with a ModelLoadError naming what differs:
+it never loads to answer wrongly.
 """
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import ctypes
 import importlib.util
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,7 +20,8 @@ import numpy as np
 import torch
 
 from batchserve.config import DEFAULT_MODEL, ModelConfig
-from batchserve.runner.models.llama import LlamaConfig
+from batchserve.runner.models.config import SUPPORTED_MODEL_TYPES, LlamaConfig, UnsupportedModelError, check_rope
+from batchserve.runner.models.llama import expected_weights
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +31,21 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class ModelLoadError(RuntimeError):
-    """The model could not be found or read; the message says what to do."""
+    """The model could not be found or read, or is not supported; the message says why."""
+
+
+def check_weights(cfg: LlamaConfig, weights: dict[str, torch.Tensor], where: str) -> None:
+    """ModelLoadError unless `weights` holds exactly the tensors `cfg` implies (expected_weights):
+    a missing one leaves part of the model undefined, an extra one (say, a bias the config does
+    not declare) would be ignored and every answer wrong."""
+    want = expected_weights(cfg)
+    missing, extra = sorted(want - weights.keys()), sorted(weights.keys() - want)
+    if missing:
+        raise ModelLoadError(f"model {where!r}: {len(missing)} tensors the {cfg.arch} config implies are missing, "
+                             f"e.g. {missing[:3]}")
+    if extra:
+        raise ModelLoadError(f"model {where!r}: {len(extra)} tensors the {cfg.arch} config does not account for "
+                             f"(their arithmetic is not implemented), e.g. {extra[:3]}")
 
 
 # GGUF block types the C++ GEMM multiplies from directly: name -> its code in gemm.cpp's pack_q
@@ -76,9 +95,36 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
             loaded = _load_gguf(path)
         else:
             raise ModelLoadError(f"model {path!r}: expected a .gguf file or a Hugging Face directory")
+    check_weights(loaded.config, loaded.weights, loaded.name)
     dtype = _DTYPES[cfg.dtype]
     loaded.weights = {k: v.to(device=cfg.device, dtype=dtype).contiguous() for k, v in loaded.weights.items()}
     return loaded
+
+
+def check_model(cfg: ModelConfig) -> LlamaConfig:
+    """The model's configuration, read without its weights (a HF directory's config.json, a
+    GGUF file's metadata): ModelLoadError if the model cannot be found or is not supported. What
+    `serve` checks before it starts listening, in well under a second, so that an unusable
+    model stops the command with the reason instead of leaving a server that never gets ready."""
+    if cfg.model == "dummy":
+        try:
+            return LlamaConfig.from_hf(cfg.dummy_config) if cfg.dummy_config else LlamaConfig()
+        except UnsupportedModelError as e:
+            raise ModelLoadError(f"model 'dummy': {e}") from e
+    path = resolve_model_path(cfg.model)
+    if os.path.isdir(path):
+        config = read_hf_config(path)
+        if not any(f.endswith(".safetensors") for f in os.listdir(path)):
+            raise ModelLoadError(f"model {path!r}: no *.safetensors files")
+        return config
+    if not path.endswith(".gguf"):
+        raise ModelLoadError(f"model {path!r}: expected a .gguf file or a Hugging Face directory")
+    from gguf import GGUFReader
+
+    try:
+        return _gguf_config(GGUFReader(path))
+    except UnsupportedModelError as e:
+        raise ModelLoadError(f"model {path!r}: {e}") from e
 
 
 def release_freed_memory() -> None:
@@ -104,12 +150,22 @@ def load_tokenizer(cfg: ModelConfig) -> Any | None:
 
 
 # --- GGUF ----------------------------------------------------------------------------------
+# llama.cpp's tensor kinds -> Hugging Face names (ffn_norm is the pre-MLP norm: Llama's
+# post_attention_layernorm, Gemma 3's pre_feedforward_layernorm)
 _GGUF_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
+_GGUF_GEMMA_NAMES = {**_GGUF_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                     "post_attention_norm": "post_attention_layernorm",
+                     "post_ffw_norm": "post_feedforward_layernorm"}
+# GGUF architecture -> the HF model_type it computes like
+_GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "smollm": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+               "gemma3": "gemma3_text"}
+# llama.cpp stores Llama-style q/k rows interleaved for its rotary layout; the others as HF does
+_GGUF_PERMUTED = ("llama", "mistral", "smollm")
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -119,28 +175,63 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def _gguf_config(reader) -> LlamaConfig:
+    """The GGUF metadata -> LlamaConfig, refusing (UnsupportedModelError, naming the key) what
+    the decoder does not compute."""
     f = {k: v.contents() for k, v in reader.fields.items()
          if not k.startswith("tokenizer.ggml.") or k.endswith("_token_id")}
     arch = f.get("general.architecture", "llama")
-    if arch not in ("llama", "mistral", "smollm"):
-        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported (Llama family only)")
+    if arch not in _GGUF_ARCHS:
+        raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported; supported: "
+                                    f"{', '.join(_GGUF_ARCHS)}")
     g = lambda key, default=None: f.get(f"{arch}.{key}", default)  # noqa: E731
+    for key in ("expert_count", "attn_logit_softcapping", "final_logit_softcapping", "attention.layer_norm_epsilon"):
+        if g(key) is not None:
+            raise UnsupportedModelError(f"GGUF {arch}: {arch}.{key}={g(key)!r} is not supported")
     heads = g("attention.head_count")
     hidden = g("embedding_length")
+    layers = g("block_count")
+    head_dim = g("attention.key_length", hidden // heads)
+    if g("attention.value_length", head_dim) != head_dim:
+        raise UnsupportedModelError(f"GGUF {arch}: {arch}.attention.value_length={g('attention.value_length')} "
+                                    f"differs from key_length {head_dim}")
+    if g("rope.dimension_count", head_dim) != head_dim:
+        raise UnsupportedModelError(f"GGUF {arch}: {arch}.rope.dimension_count={g('rope.dimension_count')} "
+                                    f"(partial RoPE) is not supported; head_dim is {head_dim}")
+    kind = g("rope.scaling.type")
     scaling = None
-    if g("rope.scaling.type") in ("linear",):
-        scaling = {"rope_type": "linear", "factor": g("rope.scaling.factor")}
-    has_output = any(t.name == "output.weight" for t in reader.tensors)
-    vocab = g("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    if kind not in (None, "none"):
+        scaling = check_rope(arch, {"rope_type": kind, "factor": g("rope.scaling.factor")}, f"{arch}.rope.scaling")
+    names = {t.name for t in reader.tensors}
+    bias = lambda kind: f"blk.0.{kind}.bias" in names  # noqa: E731
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    mt = _GGUF_ARCHS[arch]
+    gemma = mt == "gemma3_text"
+    ctx = g("context_length", 4096)
+    window = g("attention.sliding_window")
+    types = None
+    if gemma:  # llama.cpp's fixed pattern: every sixth layer is global
+        pattern = g("attention.sliding_window_pattern", 6)
+        types = tuple("sliding" if (i + 1) % pattern else "full" for i in range(layers))
+    elif window:
+        types = ("sliding",) * layers
+    if window is not None and window >= ctx:
+        window = None
+    # llama.cpp's Gemma 3 attention scale: 1/sqrt(head_dim), except 27B's 1/sqrt(hidden / heads)
+    attn_scale = (hidden // heads if hidden == 5376 else head_dim) ** -0.5 if gemma else None
     return LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=g("feed_forward_length"),
-        num_layers=g("block_count"), num_heads=heads,
-        num_kv_heads=g("attention.head_count_kv", heads),
-        head_dim=g("attention.key_length", hidden // heads),
+        vocab_size=g("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data), hidden_size=hidden,
+        intermediate_size=g("feed_forward_length"), num_layers=layers, num_heads=heads,
+        num_kv_heads=g("attention.head_count_kv", heads), head_dim=head_dim,
         rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(g("rope.freq_base", 10000.0)), rope_scaling=scaling,
-        max_position_embeddings=g("context_length", 4096), tie_word_embeddings=not has_output,
+        rope_theta=float(g("rope.freq_base", 10000.0)), rope_scaling=scaling, max_position_embeddings=ctx,
+        tie_word_embeddings="output.weight" not in names,
         bos_token_id=f.get("tokenizer.ggml.bos_token_id"), eos_token_id=f.get("tokenizer.ggml.eos_token_id"),
+        arch=mt, qkv_bias=bias("attn_q"), o_bias=bias("attn_output"), mlp_bias=bias("ffn_up"),
+        qk_norm="blk.0.attn_q_norm.weight" in names, hidden_act="gelu_tanh" if gemma else "silu",
+        norm_plus_one=gemma, sandwich_norm=gemma, embed_scale=math.sqrt(hidden) if gemma else None,
+        attn_scale=attn_scale, sliding_window=window if types else None,
+        layer_types=types if window or gemma else None, local_rope_theta=10000.0 if gemma else None,
+        rope_freq_factors=tuple(float(x) for x in np.asarray(freqs.data).reshape(-1)) if freqs is not None else None,
     )
 
 
@@ -148,31 +239,39 @@ def _load_gguf(path: str) -> LoadedModel:
     from gguf import GGUFReader, dequantize
 
     reader = GGUFReader(path)
-    cfg = _gguf_config(reader)
+    try:
+        cfg = _gguf_config(reader)
+    except UnsupportedModelError as e:
+        raise ModelLoadError(f"model {path!r}: {e}") from e
+    arch = reader.fields["general.architecture"].contents() if "general.architecture" in reader.fields else "llama"
+    gguf_names = _GGUF_GEMMA_NAMES if cfg.norm_plus_one else _GGUF_NAMES
     weights: dict[str, torch.Tensor] = {}
     quantized: dict[str, tuple[int, torch.Tensor]] = {}
     for t in reader.tensors:
+        name = t.name
+        if name == "rope_freqs.weight":
+            continue  # in the config (rope_freq_factors)
         w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         fmt = GGUF_BLOCK_FORMATS.get(t.tensor_type.name)
         raw = np.asarray(t.data) if fmt is not None else None  # [rows, blocks * bytes]
-        name = t.name
         if name == "token_embd.weight":
             key = "model.embed_tokens.weight"
         elif name == "output_norm.weight":
             key = "model.norm.weight"
         elif name == "output.weight":
             key = "lm_head.weight"
-        elif name.startswith("blk."):
-            _, idx, kind, _ = name.split(".", 3)
-            if kind not in _GGUF_NAMES:
-                continue  # e.g. rope_freqs: recomputed from the config
-            if kind in ("attn_q", "attn_k"):  # a permutation of whole rows: the blocks move with them
+        elif name.startswith("blk.") and name.count(".") == 3 and name.split(".")[2] in gguf_names:
+            _, idx, kind, suffix = name.split(".")
+            if kind in ("attn_q", "attn_k") and arch in _GGUF_PERMUTED:  # whole rows move: blocks with them
                 heads = cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads
-                w = _unpermute(w, heads)
-                raw = _unpermute(raw, heads) if raw is not None else None
-            key = f"model.layers.{idx}.{_GGUF_NAMES[kind]}.weight"
+                w = _unpermute(w, heads) if w.ndim == 2 else _unpermute(w[:, None], heads)[:, 0]
+                raw = _unpermute(raw, heads) if raw is not None and raw.ndim == 2 else None
+            key = f"model.layers.{idx}.{gguf_names[kind]}.{suffix}"
         else:
-            continue
+            raise ModelLoadError(f"model {path!r}: GGUF tensor {name!r} has no place in the {arch} decoder "
+                                 "(its arithmetic is not implemented)")
+        if cfg.norm_plus_one and key.endswith("norm.weight"):
+            w = w - 1.0  # llama.cpp's converter stores Gemma's (1 + weight); the decoder adds the 1
         weights[key] = torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
         if raw is not None and raw.ndim == 2 and raw.shape[0] == w.shape[0]:
             quantized[key] = (fmt, torch.from_numpy(np.array(raw, dtype=np.uint8, order="C")))
@@ -183,49 +282,107 @@ def _load_gguf(path: str) -> LoadedModel:
 
 
 # --- Hugging Face directory ----------------------------------------------------------------
-def _load_hf_dir(path: str) -> LoadedModel:
-    from safetensors.torch import load_file
-    from transformers import AutoTokenizer
+_IGNORED_TENSORS = ("rotary_emb.inv_freq",)  # recomputed from the config (older checkpoints store it)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 
+
+def read_hf_config(path: str) -> LlamaConfig:
+    """A Hugging Face directory's config.json -> LlamaConfig, or ModelLoadError saying why not."""
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
         raise ModelLoadError(f"model {path!r}: no config.json in the directory")
     with open(cfg_path) as fh:
         hf = json.load(fh)
-    if hf.get("model_type", "llama") not in ("llama", "mistral"):
-        raise ModelLoadError(f"model {path!r}: model_type {hf.get('model_type')!r} is not supported")
+    if hf.get("model_type") == "gemma3" and isinstance(hf.get("text_config"), dict):
+        raise ModelLoadError(f"model {path!r}: model_type 'gemma3' is the multimodal model; supported: "
+                             f"{', '.join(SUPPORTED_MODEL_TYPES)} (gemma3_text for Gemma 3's text decoder)")
+    try:
+        return LlamaConfig.from_hf(hf)
+    except UnsupportedModelError as e:
+        raise ModelLoadError(f"model {path!r}: {e}") from e
+
+
+def _load_hf_dir(path: str) -> LoadedModel:
+    from safetensors.torch import load_file
+
+    cfg = read_hf_config(path)
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
         raise ModelLoadError(f"model {path!r}: no *.safetensors files")
     weights: dict[str, torch.Tensor] = {}
     for f in files:
         weights.update(load_file(os.path.join(path, f)))
-    cfg = LlamaConfig.from_hf(hf)
-    tok = AutoTokenizer.from_pretrained(path)
+    weights = {k: v for k, v in weights.items() if not k.endswith(_IGNORED_TENSORS)}
+    if cfg.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)  # tied: transformers uses the embedding, whatever is stored
+    if cfg.arch == "phi3":
+        weights = _split_phi3(cfg, weights)
+    tok = None
+    if any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(path)
+    else:
+        log.warning("model %r: no tokenizer files; prompts must be token ids", path)
     return LoadedModel(cfg, weights, tok, os.path.basename(os.path.normpath(path)))
+
+
+def _split_phi3(cfg: LlamaConfig, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Phi-3 stores q/k/v as one qkv_proj and gate/up as one gate_up_proj: split them into the
+    Llama names (rows q | k | v and gate | up, as Phi-3's modelling code reads them)."""
+    nq, nkv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    out = {}
+    for k, v in w.items():
+        if k.endswith("self_attn.qkv_proj.weight"):
+            p = k[: -len("qkv_proj.weight")]
+            out[p + "q_proj.weight"], out[p + "k_proj.weight"], out[p + "v_proj.weight"] = v.split([nq, nkv, nkv])
+        elif k.endswith("mlp.gate_up_proj.weight"):
+            p = k[: -len("gate_up_proj.weight")]
+            out[p + "gate_proj.weight"], out[p + "up_proj.weight"] = v.split([inter, inter])
+        else:
+            out[k] = v
+    return out
 
 
 # --- dummy ---------------------------------------------------------------------------------
 def _load_dummy(mc: ModelConfig) -> LoadedModel:
-    cfg = LlamaConfig.from_hf(mc.dummy_config) if mc.dummy_config else LlamaConfig()
+    """Random weights (N(0, 0.02) matrices and biases, unit norms) for every tensor the config implies."""
+    try:
+        cfg = LlamaConfig.from_hf(mc.dummy_config) if mc.dummy_config else LlamaConfig()
+    except UnsupportedModelError as e:
+        raise ModelLoadError(f"model 'dummy': {e}") from e
     gen = torch.Generator().manual_seed(mc.seed)
     h, i, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    r = lambda *shape: torch.randn(*shape, generator=gen) * 0.02  # noqa: E731
-    w = {"model.embed_tokens.weight": r(cfg.vocab_size, h), "model.norm.weight": torch.ones(h)}
-    if not cfg.tie_word_embeddings:
-        w["lm_head.weight"] = r(cfg.vocab_size, h)
-    for n in range(cfg.num_layers):
-        p = f"model.layers.{n}."
-        w.update({
-            p + "input_layernorm.weight": torch.ones(h), p + "post_attention_layernorm.weight": torch.ones(h),
-            p + "self_attn.q_proj.weight": r(cfg.num_heads * hd, h),
-            p + "self_attn.k_proj.weight": r(cfg.num_kv_heads * hd, h),
-            p + "self_attn.v_proj.weight": r(cfg.num_kv_heads * hd, h),
-            p + "self_attn.o_proj.weight": r(h, cfg.num_heads * hd),
-            p + "mlp.gate_proj.weight": r(i, h), p + "mlp.up_proj.weight": r(i, h),
-            p + "mlp.down_proj.weight": r(h, i),
-        })
+    nq, nkv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    rows = {"q_proj": (nq, h), "k_proj": (nkv, h), "v_proj": (nkv, h), "o_proj": (h, nq), "gate_proj": (i, h),
+            "up_proj": (i, h), "down_proj": (h, i), "q_norm": (hd,), "k_norm": (hd,)}
+    w = {}
+    # sorted, and in the order the decoder had before (embeddings, head, then layer by layer)
+    for name in sorted(expected_weights(cfg), key=_dummy_order):
+        part, kind = name.split(".")[-2:]
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            w[name] = torch.randn(cfg.vocab_size, h, generator=gen) * 0.02
+        elif part.endswith("norm"):
+            w[name] = torch.zeros(rows.get(part, (h,))) if cfg.norm_plus_one else torch.ones(rows.get(part, (h,)))
+        else:
+            shape = rows[part] if kind == "weight" else rows[part][:1]
+            w[name] = torch.randn(*shape, generator=gen) * 0.02
     return LoadedModel(cfg, w, None, "dummy")
+
+
+_DUMMY_LAYER_ORDER = ("input_layernorm", "post_attention_layernorm", "q_proj", "k_proj", "v_proj", "o_proj",
+                      "gate_proj", "up_proj", "down_proj")
+
+
+def _dummy_order(name: str) -> tuple:
+    """Draw order of the dummy tensors: embeddings, head, final norm, then each layer's in a fixed
+    order (the random draws of a plain Llama stay those of earlier versions)."""
+    if not name.startswith("model.layers."):
+        return (-1, ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight").index(name), "")
+    parts = name.split(".")
+    part = parts[-2]
+    rank = _DUMMY_LAYER_ORDER.index(part) if part in _DUMMY_LAYER_ORDER else len(_DUMMY_LAYER_ORDER)
+    return (int(parts[2]), rank, name)
 
 
 def save_hf_dir(loaded: LoadedModel, path: str) -> None:

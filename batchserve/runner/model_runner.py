@@ -104,9 +104,17 @@ class ModelRunner:
         self.kv_dtype = resolve_kv_cache_dtype(model_cfg, cache_cfg)
         cpp_ok = cpp_attention_wanted(model_cfg, dtype)
         fused = fused_ops_ext() if cpp_ok else None
-        self.kernel = paged_attention_ext() if cpp_ok else None
+        # sliding-window layers run on the PyTorch attention path (the C++ kernels attend to all)
+        windowed = self.cfg.sliding_window is not None
+        self.kernel = paged_attention_ext() if cpp_ok and not windowed else None
+        if model_cfg.attention_backend == "cpp" and windowed:
+            raise ValueError(f"attention_backend=cpp: this model's sliding-window layers (window "
+                             f"{self.cfg.sliding_window}) run on the PyTorch path only; use auto or torch")
         if model_cfg.attention_backend == "cpp" and (self.kernel is None or fused is None):
             raise RuntimeError("attention_backend=cpp: the C++ kernels did not build (see the log)")
+        if windowed and self.kv_dtype == torch.uint8:
+            raise ValueError("kv_cache_dtype=int8 needs the C++ attention kernels, which do not compute this "
+                             f"model's sliding-window layers (window {self.cfg.sliding_window})")
         mm = resolve_matmul_dtype(model_cfg, loaded)
         blocks = loaded.quantized if model_cfg.quantized_weights == "auto" else None
         self.model = LlamaModel(loaded.config, loaded.weights, model_cfg.linear_backend, mm, fused, blocks)

@@ -85,7 +85,10 @@ class ServerState:
         self.loop: asyncio.AbstractEventLoop | None = None
 
     def _engine_died(self, error: BaseException) -> None:
-        log.critical("the engine thread died (%s); the server stops", type(error).__name__)
+        if getattr(self.engine, "load_error", None) is not None:
+            log.critical("the model failed to load (%s); the server stops", error)
+        else:
+            log.critical("the engine thread died (%s); the server stops", type(error).__name__)
         self.fatal = error
         if self.on_fatal is not None:
             self.on_fatal()

@@ -5,6 +5,10 @@ on), requests in flight get up to `grace_period_s` to finish, the rest are abort
 process exits 0. A second SIGTERM, or SIGINT, exits at once (uvicorn's own behaviour). If the
 engine thread dies, the requests in flight fail, /health turns 503 and the process exits 1,
 so that a supervisor restarts it instead of leaving a server that can never answer.
+
+A model that cannot load stops `serve` with status 1 and the reason on stderr: before the
+server starts when its configuration already says so (not found, an unsupported architecture
+or field: `loader.check_model`), else as soon as the background load fails.
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import sys
 from types import FrameType
 
 import uvicorn
@@ -68,7 +73,15 @@ def serve(a: argparse.Namespace) -> int:
     """Run the server until it is told to stop (the `serve` subcommand)."""
     from batchserve.engine.engine import LLMEngine
 
+    from batchserve.runner.loader import ModelLoadError, check_model
+
     engine_cfg, server_cfg = load_configs(a)
+    if not getattr(a, "address", None):  # a remote Ray cluster may see other files than this machine
+        try:
+            check_model(engine_cfg.model)
+        except ModelLoadError as e:
+            print(f"error: the model cannot be loaded: {e}", file=sys.stderr)
+            return 1
     source = ray_client(a, engine_cfg, server_cfg) if getattr(a, "ray", False) else \
         (lambda: LLMEngine.from_config(engine_cfg))
     app = create_app(source, server_cfg, model_name(engine_cfg.model.model))
@@ -83,7 +96,12 @@ def serve(a: argparse.Namespace) -> int:
 def exit_status(state: ServerState) -> int:
     """The process's exit status once the server has stopped: 1 if the engine died, else 0."""
     if state.fatal is not None:
-        log.critical("exiting with status 1: the engine thread died")
+        load_error = getattr(state.engine, "load_error", None)
+        if load_error is not None:
+            print(f"error: the model failed to load: {load_error}", file=sys.stderr)
+            log.critical("exiting with status 1: the model failed to load")
+        else:
+            log.critical("exiting with status 1: the engine thread died")
         return 1
     return 0
 

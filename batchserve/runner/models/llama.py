@@ -1,4 +1,6 @@
-"""Llama-family decoder (SmolLM, Llama 2/3, Qwen2-style bias-free, Mistral) over a flat batch.
+"""Llama-family decoder over a flat batch: Llama 2/3, SmolLM, Mistral, Qwen2/2.5 (QKV biases),
+Qwen3 (q/k norms), Gemma 3 (GELU, (1 + w) norms on both sides of each block, scaled
+embeddings, sliding-window layers), Phi-3; the switches are LlamaConfig's (models/config.py).
 
 The forward takes every scheduled token of every request in one flat list (T tokens, each with
 its own position) and the paged KV cache; no request is padded. QKV and gate/up are fused into
@@ -8,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -16,75 +17,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchserve.runner.attention import AttnMeta, paged_attention
+from batchserve.runner.models.config import LlamaConfig, UnsupportedModelError
+
+__all__ = ["LlamaConfig", "LlamaModel", "UnsupportedModelError", "expected_weights", "rope_inv_freq"]
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class LlamaConfig:
-    vocab_size: int = 49152
-    hidden_size: int = 576
-    intermediate_size: int = 1536
-    num_layers: int = 30
-    num_heads: int = 9
-    num_kv_heads: int = 3
-    head_dim: int = 64
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None
-    max_position_embeddings: int = 8192
-    tie_word_embeddings: bool = True
-    bos_token_id: int | None = 1
-    eos_token_id: int | None = 2
-
-    @staticmethod
-    def from_hf(d: dict) -> "LlamaConfig":
-        """From a Hugging Face config.json dict."""
-        heads = d["num_attention_heads"]
-        rope = d.get("rope_parameters") or d.get("rope_scaling")
-        theta = d.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
-        if rope and rope.get("rope_type", rope.get("type", "default")) == "default":
-            rope = None
-        eos = d.get("eos_token_id")
-        return LlamaConfig(
-            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"], num_layers=d["num_hidden_layers"],
-            num_heads=heads, num_kv_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-            rms_norm_eps=d.get("rms_norm_eps", 1e-5), rope_theta=float(theta),
-            rope_scaling=dict(rope) if rope else None,
-            max_position_embeddings=d.get("max_position_embeddings", 4096),
-            tie_word_embeddings=d.get("tie_word_embeddings", False),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_id=eos[0] if isinstance(eos, list) else eos,
-        )
-
-    def to_hf(self) -> dict:
-        """As a Hugging Face LlamaConfig dict (to write config.json)."""
-        d = asdict(self)
-        return {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-            "vocab_size": d["vocab_size"], "hidden_size": d["hidden_size"],
-            "intermediate_size": d["intermediate_size"], "num_hidden_layers": d["num_layers"],
-            "num_attention_heads": d["num_heads"], "num_key_value_heads": d["num_kv_heads"],
-            "head_dim": d["head_dim"], "rms_norm_eps": d["rms_norm_eps"], "rope_theta": d["rope_theta"],
-            "rope_scaling": d["rope_scaling"], "max_position_embeddings": d["max_position_embeddings"],
-            "tie_word_embeddings": d["tie_word_embeddings"], "bos_token_id": d["bos_token_id"],
-            "eos_token_id": d["eos_token_id"], "hidden_act": "silu", "attention_bias": False,
-            "mlp_bias": False, "torch_dtype": "float32",
-        }
-
-    def num_params(self) -> int:
-        h, i, hd = self.hidden_size, self.intermediate_size, self.head_dim
-        layer = h * hd * (self.num_heads * 2 + self.num_kv_heads * 2) + 3 * h * i + 2 * h
-        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * layer + emb + h
-
-
-def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2], with the config's theta and scaling."""
+def rope_inv_freq(cfg: LlamaConfig, local: bool = False) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2], with the config's theta, scaling and GGUF frequency
+    factors; `local`: a sliding layer's (local_rope_theta, unscaled) where the config has one."""
     hd = cfg.head_dim
+    if local and cfg.local_rope_theta is not None:
+        return (1.0 / (cfg.local_rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))).float()
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    if cfg.rope_freq_factors is not None:
+        inv = inv / torch.tensor(cfg.rope_freq_factors, dtype=torch.float64)
     rs = cfg.rope_scaling
     if not rs:
         return inv.float()
@@ -99,7 +47,7 @@ def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
         scaled = torch.where(wavelen > old / lo, inv / factor, inv)
         mid = (wavelen <= old / lo) & (wavelen >= old / hi)
         return torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled).float()
-    raise ValueError(f"rope_scaling: type {kind!r} is not supported (default, linear, llama3)")
+    raise UnsupportedModelError(f"rope_scaling: type {kind!r} is not supported (default, linear, llama3)")
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -371,22 +319,53 @@ class LlamaModel(nn.Module):
             else:
                 layer_backend = "onednn" if onednn_linear_ok(self.embed) else "torch"
         self.lm_head = lin(head_name) if head_name in blocks else Linear(w[head_name], self.linear_backend)
-        self.layers: list[dict[str, torch.Tensor | Linear]] = []
+        self.layers: list[dict[str, Any]] = []
+        one = 1.0 if cfg.norm_plus_one else 0.0
+
+        def norm(name: str) -> torch.Tensor:
+            return w[name] + one if one else w[name]  # Gemma scales by (1 + weight)
+
+        def bias(*names: str) -> torch.Tensor | None:
+            return torch.cat([w[k] for k in names]) if all(k in w for k in names) else None
+
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            self.layers.append({
-                "attn_norm": w[p + "input_layernorm.weight"],
+            m = p + "mlp."
+            layer = {
+                "attn_norm": norm(p + "input_layernorm.weight"),
                 "wqkv": lin(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
                 "wo": lin(a + "o_proj.weight"),
-                "mlp_norm": w[p + "post_attention_layernorm.weight"],
-                "w_gate_up": lin(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                "w_down": lin(p + "mlp.down_proj.weight"),
-            })
+                "mlp_norm": norm(p + ("pre_feedforward_layernorm.weight" if cfg.sandwich_norm
+                                      else "post_attention_layernorm.weight")),
+                "w_gate_up": lin(m + "gate_proj.weight", m + "up_proj.weight"),
+                "w_down": lin(m + "down_proj.weight"),
+                "bqkv": bias(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias") if cfg.qkv_bias else None,
+                "bo": w[a + "o_proj.bias"] if cfg.o_bias else None,
+                "b_gate_up": bias(m + "gate_proj.bias", m + "up_proj.bias") if cfg.mlp_bias else None,
+                "b_down": w[m + "down_proj.bias"] if cfg.mlp_bias else None,
+                "q_norm": norm(a + "q_norm.weight") if cfg.qk_norm else None,
+                "k_norm": norm(a + "k_norm.weight") if cfg.qk_norm else None,
+                "post_attn_norm": norm(p + "post_attention_layernorm.weight") if cfg.sandwich_norm else None,
+                "post_mlp_norm": norm(p + "post_feedforward_layernorm.weight") if cfg.sandwich_norm else None,
+                "window": cfg.layer_window(i),
+                "local": cfg.layer_types is not None and cfg.layer_types[i] == "sliding",
+            }
+            self.layers.append(layer)
+        if one:
+            self.norm = self.norm + one
         self.inv_freq = rope_inv_freq(cfg).to(self.embed.device)
+        self.local_inv_freq = rope_inv_freq(cfg, local=True).to(self.embed.device)
+        self.has_local_rope = cfg.local_rope_theta is not None
+        if not cfg.is_plain_llama:
+            self.fused = None  # the fused loop computes plain Llama layers only
+        self.attn_scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim ** -0.5
+        self.embed_scale = (None if cfg.embed_scale is None
+                            else torch.tensor(cfg.embed_scale, dtype=torch.float32).to(self.embed.dtype))
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        f = positions.float()[:, None] * self.inv_freq[None, :]  # [T, hd/2]
+    def rope(self, positions: torch.Tensor, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        inv = self.local_inv_freq if local else self.inv_freq
+        f = positions.float()[:, None] * inv[None, :]  # [T, hd/2]
         dt = self.embed.dtype
         return f.cos()[:, None, :].to(dt), f.sin()[:, None, :].to(dt)
 
@@ -399,21 +378,47 @@ class LlamaModel(nn.Module):
         cfg = self.cfg
         mm = self.matmul_dtype if self.matmul_dtype != self.embed.dtype else None
         nq, nkv, hd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
-        cos, sin = self.rope(positions)
+        eps = cfg.rms_norm_eps
+        ropes = {False: self.rope(positions)}
+        if self.has_local_rope:
+            ropes[True] = self.rope(positions, local=True)
+        act = (lambda g: F.gelu(g, approximate="tanh")) if cfg.hidden_act == "gelu_tanh" else F.silu
         x = F.embedding(input_ids, self.embed)  # [T, H]
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         T = x.shape[0]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
+            cos, sin = ropes[layer["local"] and self.has_local_rope]
+            h = rms_norm(x, layer["attn_norm"], eps)
             qkv = _mm(layer["wqkv"], h, mm)  # [T, nq + 2 nkv]
-            q = apply_rope(qkv[:, :nq].view(T, cfg.num_heads, hd), cos, sin)
-            k = apply_rope(qkv[:, nq:nq + nkv].view(T, cfg.num_kv_heads, hd), cos, sin)
+            if layer["bqkv"] is not None:
+                qkv = qkv + layer["bqkv"]
+            q = qkv[:, :nq].view(T, cfg.num_heads, hd)
+            k = qkv[:, nq:nq + nkv].view(T, cfg.num_kv_heads, hd)
+            if layer["q_norm"] is not None:  # per head, over head_dim
+                q, k = rms_norm(q, layer["q_norm"], eps), rms_norm(k, layer["k_norm"], eps)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             v = qkv[:, nq + nkv:].view(T, cfg.num_kv_heads, hd)
-            o = paged_attention(q, k, v, k_cache, v_cache, meta)  # [T, n_h, hd]
-            x = x + _mm(layer["wo"], o.view(T, nq), mm)
-            h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
-            gate, up = _mm(layer["w_gate_up"], h, mm).chunk(2, dim=-1)  # [T, I] each
-            x = x + _mm(layer["w_down"], F.silu(gate) * up, mm)
-        return rms_norm(x, self.norm, cfg.rms_norm_eps)
+            o = paged_attention(q, k, v, k_cache, v_cache, meta, scale=self.attn_scale,
+                                window=layer["window"])  # [T, n_h, hd]
+            o = _mm(layer["wo"], o.reshape(T, nq), mm)
+            if layer["bo"] is not None:
+                o = o + layer["bo"]
+            if layer["post_attn_norm"] is not None:
+                o = rms_norm(o, layer["post_attn_norm"], eps)
+            x = x + o
+            h = rms_norm(x, layer["mlp_norm"], eps)
+            gu = _mm(layer["w_gate_up"], h, mm)
+            if layer["b_gate_up"] is not None:
+                gu = gu + layer["b_gate_up"]
+            gate, up = gu.chunk(2, dim=-1)  # [T, I] each
+            o = _mm(layer["w_down"], act(gate) * up, mm)
+            if layer["b_down"] is not None:
+                o = o + layer["b_down"]
+            if layer["post_mlp_norm"] is not None:
+                o = rms_norm(o, layer["post_mlp_norm"], eps)
+            x = x + o
+        return rms_norm(x, self.norm, eps)
 
     def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta,
                        kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -427,10 +432,10 @@ class LlamaModel(nn.Module):
         x = F.embedding(input_ids, self.embed)  # [T, H], a fresh tensor: safe to update in place
         T = x.shape[0]
         cos, sin = (t.view(T, -1) for t in self.rope(positions))  # [T, hd/2]
+        scale = self.attn_scale
         norm, rope_store, silu_mul, slots = ext.add_rms_norm, ext.rope_store, ext.silu_mul, meta.slot_mapping
         if meta.decode_only:  # straight to the decode kernel (paged_attention would make the same call)
-            decode, tables, lens, bsz, scale = (meta.kernel.paged_decode, meta.dec_tables, meta.dec_lens,
-                                                meta.block_size, cfg.head_dim ** -0.5)
+            decode, tables, lens, bsz = meta.kernel.paged_decode, meta.dec_tables, meta.dec_lens, meta.block_size
         mm = self.matmul_dtype
         delta = None
         # This loop runs 30 times a step; everything it calls is bound beforehand (_fused_layers).
@@ -442,7 +447,7 @@ class LlamaModel(nn.Module):
                 o = decode(qkv[:, :nh], k_cache, v_cache, tables, lens, bsz, scale)
             else:
                 o = paged_attention(qkv[:, :nh], qkv[:, nh:nh + nkv], qkv[:, nh + nkv:], k_cache, v_cache, meta,
-                                    stored=True)
+                                    stored=True, scale=scale)
             o = o.view(T, -1)
             delta = o_fn(o if o.dtype == mm else o.to(mm))
             h = norm(x, delta, mlp_norm, eps, bf)
@@ -460,3 +465,29 @@ class LlamaModel(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [S, H] -> [S, V] in float32."""
         return self.lm_head(hidden.contiguous()).float()
+
+
+def expected_weights(cfg: LlamaConfig) -> set[str]:
+    """The tensor names (Hugging Face's) a checkpoint of `cfg` must hold, no more and no fewer:
+    a missing one would leave part of the model undefined, an extra one (a bias the config does
+    not declare) would be ignored and the answers wrong."""
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not cfg.tie_word_embeddings:
+        names.add("lm_head.weight")
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight",
+                  a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight", a + "o_proj.weight",
+                  m + "gate_proj.weight", m + "up_proj.weight", m + "down_proj.weight"}
+        if cfg.qkv_bias:
+            names |= {a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"}
+        if cfg.o_bias:
+            names.add(a + "o_proj.bias")
+        if cfg.mlp_bias:
+            names |= {m + "gate_proj.bias", m + "up_proj.bias", m + "down_proj.bias"}
+        if cfg.qk_norm:
+            names |= {a + "q_norm.weight", a + "k_norm.weight"}
+        if cfg.sandwich_norm:
+            names |= {p + "pre_feedforward_layernorm.weight", p + "post_feedforward_layernorm.weight"}
+    return names
