@@ -179,9 +179,14 @@ def met(r: RequestRecord, slo: dict[str, float]) -> bool:
     return True
 
 
+def timed_out(r: RequestRecord) -> bool:
+    """Ended by a server deadline: a 504 over HTTP, the `deadline` finish in the simulator."""
+    return r.status == 504 or getattr(r, "finish_reason", None) == "deadline"
+
+
 def hard_missed(r: RequestRecord, slo: dict[str, float]) -> bool:
     """Failed with 504, or answered after the deadline."""
-    return r.status == 504 or (r.ok and e2e(r) > slo["deadline_ms"] / 1000) or (not r.ok and r.status != 503)
+    return timed_out(r) or (r.ok and e2e(r) > slo["deadline_ms"] / 1000) or (not r.ok and r.status != 503)
 
 
 def flood_summary(recs: list[RequestRecord], slo: dict[str, float], capacity: float, seconds: float) -> dict:
@@ -196,7 +201,7 @@ def flood_summary(recs: list[RequestRecord], slo: dict[str, float], capacity: fl
         "high_hard_miss": sum(hard_missed(r, slo) for r in high) / max(1, len(high)),
         "high_ttft_p99_ms": 1000 * (percentile(ttfts, 99) or 0.0),
         "mid_on_time": sum(met(r, slo) for r in mid) / max(1, len(mid)),
-        "timeouts": sum(r.status == 504 or (r.cls == "high" and r.ok and e2e(r) > slo["deadline_ms"] / 1000)
+        "timeouts": sum(timed_out(r) or (r.cls == "high" and r.ok and e2e(r) > slo["deadline_ms"] / 1000)
                         for r in recs) / max(1, len(recs)),
         "refused": sum(r.status == 503 for r in recs) / max(1, len(recs)),
         "goodput_per_capacity": good / seconds / capacity,

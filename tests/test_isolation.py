@@ -219,3 +219,36 @@ def test_refusals_resting_on_stale_slow_steps_are_retried_on_an_idle_engine(make
     assert later.finish_reason == "length" and later.finish_time <= later.arrival_time + 0.2
     assert run("next", clock.now() + 0.01).finish_reason == "length"  # judged on the new steps
     eng.kv.check_all_free()
+
+
+def test_a_burst_of_prompts_that_has_passed_does_not_end_a_hard_deadline_request(make_fake_engine):
+    """Four 400-token prompts of its own priority join a hard-deadline request's steps after its
+    third token (22 ms steps against 2 ms alone), then leave. At its ninth token its own rate
+    so far predicts a miss, but the steps are fast again and it ends well inside its deadline:
+    it must not be ended."""
+    eng = make_fake_engine(num_blocks=512, executor=TokenCostExecutor(), max_num_batched_tokens=512)
+    t0 = warm(eng)
+    arrivals = [(t0, dict(prompt=[3] * 4, params=SamplingParams(max_tokens=60, ignore_eos=True), request_id="hd",
+                          priority=5, deadline_ms=250, deadline_kind="hard"))]
+    arrivals += [(t0 + 0.007, dict(prompt=[2] * 400, params=SamplingParams(max_tokens=1), priority=5,
+                                   request_id=f"big{i}")) for i in range(4)]
+    done, steps = drive(eng, t0, arrivals)
+    assert sum(1 for s, ids in steps if "hd" in ids and s > 0.01) >= 4  # the burst did slow it
+    assert done["hd"].finish_reason == "length", done["hd"].error
+    assert done["hd"].finish_time <= t0 + 0.25
+
+
+def test_queued_prompts_that_will_join_end_a_doomed_hard_deadline_request_at_once(make_fake_engine):
+    """Ten more important 400-token prompts queue (one joins per step, 22 ms each) just after a
+    hard-deadline request starts; its deadline cannot survive them. It is ended before their
+    slow steps, not after they have shown in its own rate."""
+    eng = make_fake_engine(num_blocks=1024, executor=TokenCostExecutor(1024), max_num_batched_tokens=512)
+    t0 = warm(eng)
+    arrivals = [(t0, dict(prompt=[3] * 4, params=SamplingParams(max_tokens=60, ignore_eos=True), request_id="hd",
+                          priority=5, deadline_ms=150, deadline_kind="hard"))]
+    arrivals += [(t0 + 0.003, dict(prompt=[2] * 400, params=SamplingParams(max_tokens=1), priority=8,
+                                   request_id=f"big{i}")) for i in range(10)]
+    done, steps = drive(eng, t0, arrivals)
+    assert done["hd"].finish_reason == "deadline"
+    assert sum(1 for s, ids in steps if "hd" in ids and s > 0.01) <= 1, "it paid for the prompts it could not survive"
+    assert all(done[f"big{i}"].finish_reason == "length" for i in range(10))

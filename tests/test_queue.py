@@ -93,6 +93,9 @@ def test_order_is_the_spec_comparator(ops, after_ms, split):
                 assert r.urgent == (r.urgent_given or r.aged)
         assert len(q) == len(model)
         assert all(rid in q for rid in model)
+        p = op[1] if op[0] == "push" else 5  # the work queued at or above a priority, as deadlines read it
+        assert q.prompt_work_from(p) == (sum(len(r.prompt_token_ids) for r in model.values() if r.priority >= p),
+                                         sum(r.priority >= p for r in model.values()))
     expect = sorted(model.values(), key=lambda r: (*spec_key(r, levels, q.served), order[r.request_id]))
     assert list(q) == expect
     assert [q.pop() for _ in range(len(q))] == expect

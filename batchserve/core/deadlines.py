@@ -17,8 +17,12 @@ Predictions come from the latency model; before it is fitted, the recent measure
 also judged by its own measured time per token, whichever predicts later: under load the
 steps it shares carry other requests' prompt tokens, which a decode-only prediction leaves
 out, and its own rate says so after a few tokens, not at the end. For a hard deadline that
-rate counts only after several tokens: its first intervals carry the prompts that joined with
-it and overstate the rest, and an ended request cannot be taken back.
+rate counts only after several tokens, and no faster than the fastest of the latest steps: its
+first intervals carry the prompts that joined with it, a burst of prompts that has passed
+overstates the rest, and an ended request cannot be taken back. Instead a hard-deadline
+request's prediction looks ahead: it adds the queued prompts that will join its steps before it
+ends (all of higher priority; of its own, as many as seats turn over meanwhile), so that it is
+ended before those slow steps, not after they have shown in its rate.
 
 Step ceilings protect requests that are running from those that join: a running request
 with a hard deadline can afford steps of (time left) / (tokens left), one whose level has a
@@ -51,6 +55,7 @@ _EWMA = 0.2  # weight of the newest step in the recent-step averages
 _NO_CEILING = [math.inf] * (MAX_PRIORITY + 1)
 _RECENT = 8  # measured steps a soft deadline's plan looks back on (it plans for the slowest)
 _OWN_MIN = 8  # token intervals before a request's own rate may end it for a hard deadline
+_LATEST = 3  # latest measured steps that must be as slow as that rate for it to count in full
 _STALE_S = 30.0  # an idle engine's step measurements older than this may not refuse a request
 
 
@@ -124,20 +129,48 @@ class DeadlineRules:
         n, t = req.num_output_tokens, req.first_token_time
         return (now - t) / (n - 1) if n > min_intervals and t is not None else 0.0
 
-    def service(self, req: Request, num_running: int, joining: bool = False, now: float | None = None) -> float:
+    def service(self, req: Request, num_running: int, joining: bool = False, now: float | None = None,
+                ahead: float = 0.0) -> float:
         """Seconds `req` still needs if it ran from now beside `num_running` others (plus
-        itself, when `joining` from the queue), to its max_tokens; with `now`, no less than
-        its own time per token so far predicts — for a hard deadline only once that rate rests
-        on `_OWN_MIN` intervals, since ending a request is final and its first intervals carry
-        the prompts that joined with it."""
+        itself, when `joining` from the queue), to its max_tokens, plus `ahead` seconds that
+        others' prompts will add; with `now`, no less than its own time per token so far
+        predicts — for a hard deadline only once that rate rests on `_OWN_MIN` intervals and
+        no faster than the latest steps, since ending a request is final."""
         cfg = self.config
         batch = min(cfg.max_num_seqs, num_running + (1 if joining else 0))
         left = req.max_tokens - req.num_output_tokens
         s = service_time(self._steps, req.num_tokens - req.num_computed_tokens, left, batch,
-                         cfg.max_num_batched_tokens)
+                         cfg.max_num_batched_tokens) + ahead
         if now is None:
             return s
-        return max(s, left * self.own_step(req, now, _OWN_MIN if req.hard_deadline else 1))
+        if not req.hard_deadline:
+            return max(s, left * self.own_step(req, now))
+        # ending is final: the past rate counts only as far as the latest steps are as slow,
+        # so that a burst of prompts that has passed does not end a request now running fast
+        return max(s, left * min(self.own_step(req, now, _OWN_MIN), self._latest_fastest()))
+
+    def _latest_fastest(self) -> float:
+        """The fastest of the last `_LATEST` measured steps (inf before any)."""
+        steps = self.recent_steps
+        k = min(_LATEST, len(steps))
+        return min(steps[i] for i in range(-k, 0)) if k else math.inf
+
+    def _joining(self, req: Request, waiting: AdmissionQueue, batch: int) -> float:
+        """Seconds that queued prompts add to running `req`'s steps as they join before it ends:
+        every one of a higher priority (it takes a seat at once, preempting if it must), and of
+        its own priority as many as seats turn over meanwhile (about `left / max_tokens` of a
+        running set, for answers as long as its own), in chunks of the step's token budget."""
+        cfg = self.config
+        up_tokens, up_n = waiting.prompt_work_from(req.priority + 1) if req.priority < MAX_PRIORITY else (0, 0)
+        eq_tokens, eq_n = waiting.prompt_work_from(req.priority)
+        eq_tokens, eq_n = eq_tokens - up_tokens, eq_n - up_n
+        turnover = max(1, cfg.max_num_seqs * (req.max_tokens - req.num_output_tokens) // max(1, req.max_tokens))
+        tokens = up_tokens + (eq_tokens * turnover // eq_n if eq_n > turnover else eq_tokens)
+        if tokens <= 0:
+            return 0.0
+        chunk = min(tokens, cfg.max_num_batched_tokens)
+        m = self._steps
+        return max(0.0, m.predict_step(batch + chunk, batch) - m.predict_step(batch, batch)) * tokens / chunk
 
     def at_admission(self, req: Request, num_running: int, now: float, idle: bool = False) -> Miss | None:
         """A new hard-deadline request that cannot make it. On an `idle` engine whose newest
@@ -172,8 +205,10 @@ class DeadlineRules:
                 [r for r in running if r.deadline_ms is not None]:
             lim = tpot.get(req.level, math.inf)  # type: ignore[arg-type]
             if req.deadline_ms is not None:
-                s = self.service(req, len(running), now=now)
-                if req.hard_deadline:
+                hard = req.hard_deadline
+                s = self.service(req, len(running), now=now,
+                                 ahead=self._joining(req, waiting, len(running)) if hard else 0.0)
+                if hard:
                     if now + s >= req.deadline:
                         yield _miss(req, now, s)
                         continue

@@ -34,7 +34,7 @@ from typing import Callable, Iterator
 
 from batchserve.config import LevelConfig, QueueConfig
 from batchserve.core.stats import QueueMetrics, QueueStats
-from batchserve.request import OverloadedError, Request
+from batchserve.request import MAX_PRIORITY, OverloadedError, Request
 
 # (level rank: -1 aged / 0 the highest level..., lane: 0 urgent / 1 normal, -priority, deadline,
 #  arrival_time, push token, request)
@@ -70,6 +70,9 @@ class AdmissionQueue:
         self.fair = False  # a request naming a tenant has been queued: the scheduler credits tokens
         self._live: dict[str, _Entry] = {}  # request id -> its current heap entry
         self._count = {name: 0 for name in self.levels}
+        self._prompt_at = [0] * (MAX_PRIORITY + 1)  # by priority: prompt tokens queued, still to compute
+        self._queued_at = [0] * (MAX_PRIORITY + 1)  # by priority: requests queued
+        self._prompt_of: dict[str, tuple[int, int]] = {}  # request id -> (priority, its share of those)
         self._urgent = {name: 0 for name in self.levels}
         self._oldest: dict[str, list[_Side]] = {name: [] for name in self.levels}
         self._by_arrival: list[_Side] = []  # non-urgent requests, for promotion by wait
@@ -83,6 +86,11 @@ class AdmissionQueue:
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._live
+
+    def prompt_work_from(self, priority: int) -> tuple[int, int]:
+        """(prompt tokens still to compute, requests) queued at `priority` or above: the work
+        that may join the running steps ahead of, or beside, a running request of that priority."""
+        return sum(self._prompt_at[priority:]), sum(self._queued_at[priority:])
 
     def __iter__(self) -> Iterator[Request]:
         """Queued requests in scheduling order (a sorted copy: O(n log n), for inspection)."""
@@ -160,6 +168,10 @@ class AdmissionQueue:
         self._push_entry(entry, tk)
         heapq.heappush(self._oldest[level.name], (req.arrival_time, tok, req))
         self._count[level.name] += 1
+        todo = max(0, req.num_tokens - req.num_computed_tokens)
+        self._prompt_of[req.request_id] = (req.priority, todo)
+        self._prompt_at[req.priority] += todo
+        self._queued_at[req.priority] += 1
         if req.urgent:
             self._urgent[level.name] += 1
         if not req.aged and self.config.urgent_after_ms is not None:
@@ -298,6 +310,9 @@ class AdmissionQueue:
     def _forget(self, req: Request) -> None:
         del self._live[req.request_id]
         self._count[req.level] -= 1
+        p, todo = self._prompt_of.pop(req.request_id)
+        self._prompt_at[p] -= todo
+        self._queued_at[p] -= 1
         if req.urgent:
             self._urgent[req.level] -= 1
         self._maybe_compact()
