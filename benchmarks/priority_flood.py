@@ -195,11 +195,20 @@ def flood_summary(recs: list[RequestRecord], slo: dict[str, float], capacity: fl
     deadline_cls = high + mid
     ttfts = [ttft(r) for r in high if ttft(r) is not None]
     good = sum(met(r, slo) for r in deadline_cls)
+    t0, scale = min((r.send_time for r in recs), default=0.0), seconds / 40
+
+    def high_tpot_p50(surge: bool) -> float:
+        """P50 time per output token (ms) of the high requests sent in (or outside) the surge."""
+        v = [(r.end_time - r.first_token_time) / (r.output_tokens - 1) for r in high
+             if r.ok and r.output_tokens > 1 and (15 * scale <= r.send_time - t0 < 25 * scale) == surge]
+        return 1000 * (percentile(v, 50) or 0.0)
+
     return {
         "requests": len(recs), "high": len(high),
         "high_slo": sum(met(r, slo) for r in high) / max(1, len(high)),
         "high_hard_miss": sum(hard_missed(r, slo) for r in high) / max(1, len(high)),
         "high_ttft_p99_ms": 1000 * (percentile(ttfts, 99) or 0.0),
+        "high_tpot_p50_ms": {"half": high_tpot_p50(False), "surge": high_tpot_p50(True)},
         "mid_on_time": sum(met(r, slo) for r in mid) / max(1, len(mid)),
         "timeouts": sum(timed_out(r) or (r.cls == "high" and r.ok and e2e(r) > slo["deadline_ms"] / 1000)
                         for r in recs) / max(1, len(recs)),
@@ -315,6 +324,8 @@ def report(results: list[dict], cmdline: str) -> str:
     row("high class meeting its SLO", lambda r: f"{100 * r['flood']['high_slo']:.1f} %")
     row("high class missing its hard deadline", lambda r: f"{100 * r['flood']['high_hard_miss']:.1f} %")
     row("high TTFT P99 (ms)", lambda r: f"{r['flood']['high_ttft_p99_ms']:.0f}")
+    row("high time per output token P50, half load / surge (ms)",
+        lambda r: "{half:.1f} / {surge:.1f}".format(**r["flood"]["high_tpot_p50_ms"]))
     row("mid (soft) on time", lambda r: f"{100 * r['flood']['mid_on_time']:.1f} %")
     row("timeouts, all requests", lambda r: f"{100 * r['flood']['timeouts']:.1f} %")
     row("computed tokens spent on requests that then missed a hard deadline",

@@ -222,7 +222,7 @@ def test_refusals_resting_on_stale_slow_steps_are_retried_on_an_idle_engine(make
 
 
 def test_a_burst_of_prompts_that_has_passed_does_not_end_a_hard_deadline_request(make_fake_engine):
-    """Four 400-token prompts of its own priority join a hard-deadline request's steps after its
+    """Four more important 400-token prompts join a hard-deadline request's steps after its
     third token (22 ms steps against 2 ms alone), then leave. At its ninth token its own rate
     so far predicts a miss, but the steps are fast again and it ends well inside its deadline:
     it must not be ended."""
@@ -230,7 +230,7 @@ def test_a_burst_of_prompts_that_has_passed_does_not_end_a_hard_deadline_request
     t0 = warm(eng)
     arrivals = [(t0, dict(prompt=[3] * 4, params=SamplingParams(max_tokens=60, ignore_eos=True), request_id="hd",
                           priority=5, deadline_ms=250, deadline_kind="hard"))]
-    arrivals += [(t0 + 0.007, dict(prompt=[2] * 400, params=SamplingParams(max_tokens=1), priority=5,
+    arrivals += [(t0 + 0.007, dict(prompt=[2] * 400, params=SamplingParams(max_tokens=1), priority=8,
                                    request_id=f"big{i}")) for i in range(4)]
     done, steps = drive(eng, t0, arrivals)
     assert sum(1 for s, ids in steps if "hd" in ids and s > 0.01) >= 4  # the burst did slow it
@@ -252,3 +252,22 @@ def test_queued_prompts_that_will_join_end_a_doomed_hard_deadline_request_at_onc
     assert done["hd"].finish_reason == "deadline"
     assert sum(1 for s, ids in steps if "hd" in ids and s > 0.01) <= 1, "it paid for the prompts it could not survive"
     assert all(done[f"big{i}"].finish_reason == "length" for i in range(10))
+
+
+def test_a_step_ceiling_cuts_less_important_prompts_instead_of_idling_their_seats(make_fake_engine):
+    """A hard-deadline request can afford steps a little longer than its own, not the 12 ms of a
+    whole 200-token prompt. The less important prompts queued behind it start anyway, cut to
+    what its steps can take, so their first tokens come while it runs; and it still makes its
+    deadline."""
+    eng = make_fake_engine(num_blocks=1024, executor=TokenCostExecutor(1024), max_num_batched_tokens=512)
+    t0 = warm(eng)
+    arrivals = [(t0, dict(prompt=[3] * 4, params=SamplingParams(max_tokens=100, ignore_eos=True), request_id="hd",
+                          priority=9, deadline_ms=400, deadline_kind="hard"))]
+    arrivals += [(t0 + 0.004, dict(prompt=[2] * 200, params=SamplingParams(max_tokens=4, ignore_eos=True), priority=1,
+                                   request_id=f"low{i}")) for i in range(4)]
+    done, steps = drive(eng, t0, arrivals)
+    assert done["hd"].finish_reason == "length", done["hd"].error
+    assert done["hd"].finish_time <= t0 + 0.4
+    half = t0 + (done["hd"].finish_time - t0) / 2
+    started = sum(done[f"low{i}"].first_token_time < half for i in range(4))
+    assert started >= 2, "the less important prompts waited for the hard-deadline request to end"

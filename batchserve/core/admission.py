@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 _RUNNING = RequestStatus.RUNNING
 _MAX_HELD = 16  # queued requests admission may look past in one step (each costs a queue remove + push)
+_MIN_CHUNK = 32  # prompt tokens a request may always add beside running equals that are short of time
 
 
 def build_seq(req: Request, n: int, block_table: list[int]) -> ScheduledSeq:
@@ -108,7 +109,8 @@ class StepBuilder:
                 if chunk and chunk < n:
                     n = chunk
                 if n > 1:  # a prompt chunk: never slows the more important, nor a deadline due
-                    n = self._fit(req.priority, n, self.spent + self.budget - budget)
+                    later = len(sched.running) - len(out) - 1  # running requests still to come, a token each at least
+                    n = self._fit(req.priority, n, self.spent + self.budget - budget, later)
                 if n <= 0:
                     continue
                 table = grow(rid, start + n)
@@ -152,7 +154,7 @@ class StepBuilder:
         only the important pass) is still tried. Each gets the rest of its prompt (after any
         cached prefix), cut to `chunk` and to the budget left. `whole_prompts`: a prompt that
         would fit a fresh step but not what is left waits for the next step rather than be
-        cut. `max_seqs` caps this stage's seqs. `cover_prompts`: start a prompt only when the
+        cut (a step ceiling still cuts it). `max_seqs` caps this stage's seqs. `cover_prompts`: start a prompt only when the
         free blocks cover all of it beside what the prompts under way still owe (starting on
         the first chunk alone lets many long prompts start and then preempt each other).
         Candidates must be waiting requests."""
@@ -199,7 +201,7 @@ class StepBuilder:
             return None
         n = min(n, self.budget) if chunk is None else min(chunk, self.budget, n)
         fit = self._fit(req.priority, n)
-        if fit == 0 or (whole_prompts and fit < n):
+        if fit == 0:
             return False  # the step would outlast what a running request can afford
         n = fit
         if len(sched.running) >= cfg.max_num_seqs and not self._make_room(req, seat=True):
@@ -225,17 +227,29 @@ class StepBuilder:
             owed[0] += kv.num_blocks_needed(req.request_id, req.num_tokens)
         return True
 
-    def _fit(self, priority: int, n: int, spent: int | None = None) -> int:
+    def _fit(self, priority: int, n: int, spent: int | None = None, later: int = 0) -> int:
         """How many of `n` prompt tokens a request of `priority` may add to this step as one more
         seq: the most that keep the step's predicted time under the ceiling the running requests
-        of higher priority set (core/deadlines.py); `n` when no ceiling applies, 0 when
-        not even one token fits. `spent`: the step's tokens so far, if not yet in `self.spent`."""
-        limit = self.sched.deadlines.ceiling[priority]
-        if limit == math.inf:
+        of higher priority set (core/deadlines.py), and under what running requests of its own
+        priority can afford — but that second cut never below `_MIN_CHUNK` tokens, since equals
+        share the steps; `n` when no ceiling applies, 0 when not even one token fits. `spent`:
+        the step's tokens so far, if not yet in `self.spent`; `later`: seqs of a token each that
+        will still join the step after this one."""
+        dl = self.sched.deadlines
+        hard, equal = dl.ceiling[priority], dl.equal_ceiling[priority]
+        if hard == math.inf and equal == math.inf:
             return n
-        predict, seqs = self.sched.latency.predict_step, len(self.seqs) + 1
-        base = self.spent if spent is None else spent
-        if predict(base + n, seqs) <= limit:
+        seqs = len(self.seqs) + 1 + max(0, later)
+        base = (self.spent if spent is None else spent) + max(0, later)
+        fit = self._most(n, base, seqs, min(hard, equal))
+        if fit < n and equal < hard:
+            fit = max(fit, self._most(min(n, _MIN_CHUNK), base, seqs, hard))
+        return fit
+
+    def _most(self, n: int, base: int, seqs: int, limit: float) -> int:
+        """The most of `n` tokens on top of `base` in a step of `seqs` predicted within `limit`."""
+        predict = self.sched.latency.predict_step
+        if limit == math.inf or predict(base + n, seqs) <= limit:
             return n
         if predict(base + 1, seqs) > limit:
             return 0

@@ -24,15 +24,20 @@ request's prediction looks ahead: it adds the queued prompts that will join its 
 ends (all of higher priority; of its own, as many as seats turn over meanwhile), so that it is
 ended before those slow steps, not after they have shown in its rate.
 
-Step ceilings protect requests that are running from those that join: a running request
-with a hard deadline can afford steps of (time left) / (tokens left), one whose level has a
-`tpot_ms` target steps of that length; `ceiling[p]` is the least of these over running
-requests of priority above p, and admission keeps each step's predicted time under the ceiling
-of the joining request's priority: the important are never slowed by the less important
-joining them, while equals share the steps (holding back an equal would trade its first token
-for the other's last). One bound holds for equals too: no request joins a step predicted to
-end past the deadline of a running request of its priority or above, since that step would
-carry the other's last token late.
+Step ceilings protect requests that are running from those that join. A running request with
+a hard deadline can afford steps of (time left) / (tokens left); of the slack between that and
+its own predicted step it lends a quarter to those joining (the rest absorbs misprediction), and
+when its prediction with every joiner says it would miss but its own steps and what outranks it
+would make it, it lends nothing: it is protected before it is ended. A running request whose
+level has a `tpot_ms` target can afford steps of that length. `ceiling[p]` is the least of
+these over running requests of priority above p, and admission keeps each step's predicted time
+under the ceiling of the joining request's priority, cutting a prompt to what fits rather than
+holding it back whole: the important are never slowed by the less important joining them.
+Equals share the steps (holding back an equal would trade its first token for the other's
+last): `equal_ceiling[p]`, what running requests of priority p can afford, cuts an equal's
+prompt chunk but never below a minimum chunk. One bound holds for equals too: no request joins
+a step predicted to end past the deadline of a running request of its priority or above, since
+that step would carry the other's last token late.
 
 Predictions assume a request runs to its max_tokens, and they are 0.0 until the latency
 model has seen enough steps or one step has been measured, so until then only deadlines
@@ -56,6 +61,7 @@ _NO_CEILING = [math.inf] * (MAX_PRIORITY + 1)
 _RECENT = 8  # measured steps a soft deadline's plan looks back on (it plans for the slowest)
 _OWN_MIN = 8  # token intervals before a request's own rate may end it for a hard deadline
 _LATEST = 3  # latest measured steps that must be as slow as that rate for it to count in full
+_SLACK_SHARE = 0.25  # of a hard deadline's slack per step, what less important joiners may take
 _STALE_S = 30.0  # an idle engine's step measurements older than this may not refuse a request
 
 
@@ -108,6 +114,9 @@ class DeadlineRules:
         self._steps = _WithFallback(latency, self)
         self._tpot = {lv.name: lv.tpot_ms / 1000 for lv in (queue or QueueConfig()).levels if lv.tpot_ms}
         self.ceiling: list[float] = _NO_CEILING  # by priority: the longest step a joining request may make
+        # by priority: the step the running requests of that priority can afford; a joining
+        # equal's prompt is cut to it, down to a minimum chunk (it is never held back)
+        self.equal_ceiling: list[float] = _NO_CEILING
 
     def observe_step(self, seconds: float, now: float | None = None) -> None:
         """A step of the running batch took `seconds`, ending at `now`."""
@@ -155,22 +164,25 @@ class DeadlineRules:
         k = min(_LATEST, len(steps))
         return min(steps[i] for i in range(-k, 0)) if k else math.inf
 
-    def _joining(self, req: Request, waiting: AdmissionQueue, batch: int) -> float:
+    def _joining(self, req: Request, waiting: AdmissionQueue, batch: int) -> tuple[float, float]:
         """Seconds that queued prompts add to running `req`'s steps as they join before it ends:
-        every one of a higher priority (it takes a seat at once, preempting if it must), and of
-        its own priority as many as seats turn over meanwhile (about `left / max_tokens` of a
-        running set, for answers as long as its own), in chunks of the step's token budget."""
+        (those of a higher priority: every one, since it takes a seat at once, preempting if it
+        must; those of its own priority: as many as seats turn over meanwhile, about
+        `left / max_tokens` of a running set for answers as long as its own), in chunks of the
+        step's token budget."""
         cfg = self.config
         up_tokens, up_n = waiting.prompt_work_from(req.priority + 1) if req.priority < MAX_PRIORITY else (0, 0)
         eq_tokens, eq_n = waiting.prompt_work_from(req.priority)
         eq_tokens, eq_n = eq_tokens - up_tokens, eq_n - up_n
         turnover = max(1, cfg.max_num_seqs * (req.max_tokens - req.num_output_tokens) // max(1, req.max_tokens))
-        tokens = up_tokens + (eq_tokens * turnover // eq_n if eq_n > turnover else eq_tokens)
-        if tokens <= 0:
-            return 0.0
-        chunk = min(tokens, cfg.max_num_batched_tokens)
+        if eq_n > turnover:
+            eq_tokens = eq_tokens * turnover // eq_n
+        if up_tokens + eq_tokens <= 0:
+            return 0.0, 0.0
+        chunk = min(up_tokens + eq_tokens, cfg.max_num_batched_tokens)
         m = self._steps
-        return max(0.0, m.predict_step(batch + chunk, batch) - m.predict_step(batch, batch)) * tokens / chunk
+        per_token = max(0.0, m.predict_step(batch + chunk, batch) - m.predict_step(batch, batch)) / chunk
+        return up_tokens * per_token, eq_tokens * per_token
 
     def at_admission(self, req: Request, num_running: int, now: float, idle: bool = False) -> Miss | None:
         """A new hard-deadline request that cannot make it. On an `idle` engine whose newest
@@ -206,13 +218,20 @@ class DeadlineRules:
             lim = tpot.get(req.level, math.inf)  # type: ignore[arg-type]
             if req.deadline_ms is not None:
                 hard = req.hard_deadline
-                s = self.service(req, len(running), now=now,
-                                 ahead=self._joining(req, waiting, len(running)) if hard else 0.0)
+                up, eq = self._joining(req, waiting, len(running)) if hard else (0.0, 0.0)
+                s = self.service(req, len(running), now=now, ahead=up + eq)
                 if hard:
-                    if now + s >= req.deadline:
+                    own = self._steps.predict_step(len(running), len(running))
+                    if now + s < req.deadline:
+                        afford = (req.deadline - now) / (req.max_tokens - req.num_output_tokens + 1)
+                        lim = min(lim, own + _SLACK_SHARE * max(0.0, afford - own))
+                    elif now + self.service(req, len(running), ahead=up) < req.deadline:
+                        # its own steps and what outranks it make it: protected, nothing less
+                        # important joins and equals join in minimum chunks
+                        lim = min(lim, own)
+                    else:
                         yield _miss(req, now, s)
                         continue
-                    lim = min(lim, (req.deadline - now) / (req.max_tokens - req.num_output_tokens + 1))
                 elif now + s + self._step(req, len(running), now) > req.deadline:
                     decision = self._truncate(req, len(running), now)
                     yield decision
@@ -225,6 +244,7 @@ class DeadlineRules:
                 if limits is None:
                     limits = [math.inf] * (MAX_PRIORITY + 1)
                 limits[req.priority] = min(limits[req.priority], lim)
+        self.equal_ceiling = limits or _NO_CEILING
         if limits is None and last is None:
             self.ceiling = _NO_CEILING
         else:

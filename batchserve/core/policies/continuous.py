@@ -1,7 +1,9 @@
 """`continuous`: iteration-level batching. Every step, running requests decode; waiting
 requests join (whole prompt in one step) while the token budget, `max_num_seqs` and free KV
-blocks allow; finished requests leave at once. A prompt longer than the whole step budget is
-the one exception: it is split across steps, or it could never run."""
+blocks allow; finished requests leave at once. Two exceptions cut a prompt across steps: one
+longer than the whole step budget (or it could never run), and one cut to what a step ceiling
+lets it add beside running requests short of time (core/deadlines.py), since holding it back
+whole would idle its seat for as long as they run."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
