@@ -75,6 +75,9 @@ def items(arrivals: np.ndarray, rng: np.random.Generator, classes=CLASSES, promp
             for t, c, p, o in zip(arrivals, names, plen, olen)]
 
 
+_HALF_S, _SURGE_S = 15, 10  # the flood's phases at scale 1: half load, the 3x surge, half load again
+
+
 def poisson(rate: float, seconds: float, rng: np.random.Generator, start: float = 0.0) -> np.ndarray:
     gaps = rng.exponential(1.0 / rate, size=int(rate * seconds * 2) + 10)
     t = start + np.cumsum(gaps)
@@ -195,12 +198,13 @@ def flood_summary(recs: list[RequestRecord], slo: dict[str, float], capacity: fl
     deadline_cls = high + mid
     ttfts = [ttft(r) for r in high if ttft(r) is not None]
     good = sum(met(r, slo) for r in deadline_cls)
-    t0, scale = min((r.send_time for r in recs), default=0.0), seconds / 40
+    t0, scale = min((r.send_time for r in recs), default=0.0), seconds / (2 * _HALF_S + _SURGE_S)
 
     def high_tpot_p50(surge: bool) -> float:
         """P50 time per output token (ms) of the high requests sent in (or outside) the surge."""
         v = [(r.end_time - r.first_token_time) / (r.output_tokens - 1) for r in high
-             if r.ok and r.output_tokens > 1 and (15 * scale <= r.send_time - t0 < 25 * scale) == surge]
+             if r.ok and r.output_tokens > 1
+             and (_HALF_S * scale <= r.send_time - t0 < (_HALF_S + _SURGE_S) * scale) == surge]
         return 1000 * (percentile(v, 50) or 0.0)
 
     return {
@@ -255,17 +259,18 @@ def measure(system: str, rng_seed: int, quick: bool, venv: str, model_dir: str, 
         burst = items(np.zeros(48), rng)
         recs, secs = send(burst)
         cap = out["capacity_rps"] = sum(r.ok for r in recs) / secs
-        half = items(poisson(0.5 * cap, 15 * scale, rng), rng)
+        half = items(poisson(0.5 * cap, _HALF_S * scale, rng), rng)
         recs, _ = send([replace(w, priority=5) for w in half])
         ok = [r for r in recs if r.ok]
         slo = out["slo"] = {"ttft_ms": 2000 * (percentile([ttft(r) for r in ok], 99) or 0.0),
                             "deadline_ms": 2000 * (percentile([e2e(r) for r in ok], 99) or 0.0)}
-        arr = np.concatenate([poisson(0.5 * cap, 15 * scale, rng), poisson(3 * cap, 10 * scale, rng, 15 * scale),
-                              poisson(0.5 * cap, 15 * scale, rng, 25 * scale)])
+        arr = np.concatenate([poisson(0.5 * cap, _HALF_S * scale, rng),
+                              poisson(3 * cap, _SURGE_S * scale, rng, _HALF_S * scale),
+                              poisson(0.5 * cap, _HALF_S * scale, rng, (_HALF_S + _SURGE_S) * scale)])
         flood = with_deadlines(items(arr, rng), slo, system != "vllm")
         before = tgt.scrape()
         recs, _ = send(flood)
-        out["flood"] = flood_summary(recs, slo, cap, 40 * scale)
+        out["flood"] = flood_summary(recs, slo, cap, (2 * _HALF_S + _SURGE_S) * scale)
         after = tgt.scrape()
         computed = after.get("computed_tokens", 0) - before.get("computed_tokens", 0)
         if computed:

@@ -109,7 +109,7 @@ class StepBuilder:
                 if chunk and chunk < n:
                     n = chunk
                 if n > 1:  # a prompt chunk: never slows the more important, nor a deadline due
-                    later = len(sched.running) - len(out) - 1  # running requests still to come, a token each at least
+                    later = max(0, len(sched.running) - len(out) - 1)  # running requests still to come, a token each
                     n = self._fit(req.priority, n, self.spent + self.budget - budget, later)
                 if n <= 0:
                     continue
@@ -154,9 +154,10 @@ class StepBuilder:
         only the important pass) is still tried. Each gets the rest of its prompt (after any
         cached prefix), cut to `chunk` and to the budget left. `whole_prompts`: a prompt that
         would fit a fresh step but not what is left waits for the next step rather than be
-        cut (a step ceiling still cuts it). `max_seqs` caps this stage's seqs. `cover_prompts`: start a prompt only when the
-        free blocks cover all of it beside what the prompts under way still owe (starting on
-        the first chunk alone lets many long prompts start and then preempt each other).
+        cut (a step ceiling still cuts it). `max_seqs` caps this stage's seqs. `cover_prompts`:
+        start a prompt only when the free blocks cover all of it beside what the prompts under
+        way still owe (starting on the first chunk alone lets many long prompts start and then
+        preempt each other).
         Candidates must be waiting requests."""
         sched = self.sched
         kv = sched.kv
@@ -239,8 +240,8 @@ class StepBuilder:
         hard, equal = dl.ceiling[priority], dl.equal_ceiling[priority]
         if hard == math.inf and equal == math.inf:
             return n
-        seqs = len(self.seqs) + 1 + max(0, later)
-        base = (self.spent if spent is None else spent) + max(0, later)
+        seqs = len(self.seqs) + 1 + later
+        base = (self.spent if spent is None else spent) + later
         fit = self._most(n, base, seqs, min(hard, equal))
         if fit < n and equal < hard:
             fit = max(fit, self._most(min(n, _MIN_CHUNK), base, seqs, hard))

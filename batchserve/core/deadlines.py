@@ -226,8 +226,9 @@ class DeadlineRules:
                         afford = (req.deadline - now) / (req.max_tokens - req.num_output_tokens + 1)
                         lim = min(lim, own + _SLACK_SHARE * max(0.0, afford - own))
                     elif now + self.service(req, len(running), ahead=up) < req.deadline:
-                        # its own steps and what outranks it make it: protected, nothing less
-                        # important joins and equals join in minimum chunks
+                        # the model's own steps plus what outranks it make it (its measured
+                        # rate left out): protected, nothing less important joins and equals
+                        # join in minimum chunks
                         lim = min(lim, own)
                     else:
                         yield _miss(req, now, s)
