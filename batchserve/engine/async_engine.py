@@ -30,9 +30,9 @@ from typing import Any, Callable, TypeVar
 from batchserve.core.batch import RequestOutput, StepRecord
 from batchserve.core.stats import EngineSnapshot
 from batchserve.engine.client import EngineClient, EngineHealth, EngineStoppedError
-from batchserve.engine.engine import LLMEngine, StepFailed
+from batchserve.engine.engine import LLMEngine, StepFailed, tokenize
 from batchserve.engine.request_stream import RequestStream
-from batchserve.request import FinishReason, OverloadedError, RequestSpec
+from batchserve.request import FinishReason, OverloadedError, RequestError, RequestSpec
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -171,6 +171,33 @@ class AsyncEngine(EngineClient):
             self.abort(rid)  # the caller left while the add was in flight
             raise
         return stream
+
+    async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None,
+                       add_generation_prompt: bool = True) -> list[int]:
+        """On the tokenizer thread, like `add`: a long prompt never holds up a model step."""
+        eng = self._serving()
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenizer, tokenize, eng.tokenizer, prompt, messages, add_generation_prompt)
+
+    async def detokenize(self, ids: list[int]) -> str:
+        eng = self._serving()
+        vocab = getattr(getattr(eng.executor, "cfg", None), "vocab_size", None)
+        if any(t < 0 or (vocab is not None and t >= vocab) for t in ids):
+            raise RequestError("tokens", f"token ids must be in [0, {vocab if vocab is not None else 'vocab'})")
+        if eng.tokenizer is None:
+            raise RequestError("tokens", "this model has no tokenizer")
+
+        def decode() -> str:
+            try:
+                return eng.tokenizer.decode(ids, skip_special_tokens=False)
+            except Exception as e:  # noqa: BLE001 - an id the tokenizer does not know
+                raise RequestError("tokens", f"cannot be decoded ({type(e).__name__})") from None
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer, decode)
+
+    def _serving(self) -> LLMEngine:
+        if not self.ready:
+            raise EngineStoppedError("the model is not loaded yet" if not self._stopping else "shutting down")
+        return self.engine
 
     def _admit(self, spec: RequestSpec):
         """The request's queue level; OverloadedError at once when that level refuses and is

@@ -95,6 +95,17 @@ class EngineClient(abc.ABC):
     async def snapshot(self) -> EngineSnapshot:
         """Engine state for the /metrics gauges."""
 
+    async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None,
+                       add_generation_prompt: bool = True) -> list[int]:
+        """A text prompt, or chat messages through the chat template, as the model's token ids,
+        tokenized off the engine thread. Raises RequestError naming the field at fault, or
+        EngineStoppedError; NotImplementedError where a client cannot tokenize locally."""
+        raise NotImplementedError
+
+    async def detokenize(self, ids: list[int]) -> str:
+        """Token ids as text; RequestError ("tokens") for an id outside the vocabulary."""
+        raise NotImplementedError
+
     def health(self) -> EngineHealth:
         """Liveness as /health reports it (a client without a watchdog: loaded or not)."""
         if self.load_error is not None:

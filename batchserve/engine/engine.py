@@ -49,15 +49,16 @@ class StepFailed(RuntimeError):
 
 
 def tokenize(tokenizer: Any | None, prompt: str | list[int] | None = None,
-             messages: list[dict] | None = None) -> list[int]:
-    """A prompt (text or token ids) or chat messages (through the chat template) as token ids.
+             messages: list[dict] | None = None, add_generation_prompt: bool = True) -> list[int]:
+    """A prompt (text or token ids) or chat messages (through the chat template, opening the
+    assistant's turn unless not `add_generation_prompt`) as token ids.
     Whatever the tokenizer or the template raises on an input is that input's fault: a
     RequestError naming the field (a 400), not an exception out of the server."""
     if messages is not None:
         if tokenizer is None:
             raise RequestError("messages", "this model has no tokenizer / chat template")
         try:
-            out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
         except Exception as e:  # noqa: BLE001 - e.g. a template that refuses this order of roles
             raise RequestError("messages", f"cannot be put through the chat template ({type(e).__name__})") from None
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)

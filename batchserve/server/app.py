@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP app: validate -> AsyncEngine.add -> JSON or SSE.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health (and
-/health/ready, the same; /health/live), GET /metrics. Every error is OpenAI-shaped JSON (see
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize,
+POST /detokenize, GET /version, GET /health (and /health/ready, the same; /health/live),
+GET /metrics, GET /openapi.json and GET /docs (its schema: openapi.py). Every error is OpenAI-shaped JSON (see
 protocol.APIError); a 5xx body never holds exception text, only a request id the log has.
 """
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
+import importlib.metadata
 import logging
 import time
 import uuid
@@ -31,7 +33,9 @@ from batchserve.request import OverloadedError, RequestError
 from batchserve.server.config import ServerConfig
 from batchserve.server.guard import Guard
 from batchserve.server.metrics import ServerMetrics
-from batchserve.server.protocol import APIError, GenerationRequest, bad, parse_generation, parse_json
+from batchserve.server import openapi
+from batchserve.server.protocol import (APIError, GenerationRequest, _messages, _refuse_unknown, bad,
+                                        parse_generation, parse_json)
 from batchserve.server.responses import ChunkWriter, completion_body, output_error, retry_after
 
 log = logging.getLogger(__name__)
@@ -200,6 +204,61 @@ class ServerState:
         except EngineStoppedError as e:
             raise APIError(503, str(e), code="not_ready", type="overloaded_error", headers=retry_after(5)) from None
 
+    # --- tokenizer routes ---------------------------------------------------------------
+    def _check_model(self, body: dict[str, Any]) -> None:
+        model = body.get("model")
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    async def _engine_call(self, aw: Awaitable[T]) -> T:
+        try:
+            return await aw
+        except RequestError as e:
+            raise bad(e.param, e.message) from None
+        except EngineStoppedError as e:
+            raise APIError(503, str(e), code="not_ready", type="overloaded_error", headers=retry_after(5)) from None
+        except NotImplementedError:
+            raise APIError(501, "this engine does not tokenize here", code="not_implemented") from None
+
+    async def tokenize(self, request: Request) -> dict[str, Any]:
+        """vLLM's /tokenize: {"prompt"} or {"messages", "add_generation_prompt"?} (+ "model"?)
+        -> {"count", "max_model_len", "tokens"}, tokenized as a generation request would be."""
+        self.check_auth(request)
+        self.check_admission()
+        body = await self.read_json(request)
+        chat = "messages" in body
+        _refuse_unknown(body, frozenset({"model", "add_special_tokens", *(
+            ("messages", "add_generation_prompt") if chat else ("prompt",))}))
+        self._check_model(body)
+        if body.get("add_special_tokens") not in (None, False):
+            raise bad("add_special_tokens", "only false is supported (prompts are encoded without special "
+                      "tokens)", code="unsupported_parameter")
+        if chat:
+            add_gen = body.get("add_generation_prompt")
+            if add_gen is not None and not isinstance(add_gen, bool):
+                raise bad("add_generation_prompt", "must be true or false")
+            ids = await self._engine_call(self.engine.tokenize(
+                messages=_messages(body, self.config.lenient_fields), add_generation_prompt=add_gen is not False))
+        else:
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str):
+                raise bad("prompt", "is required and must be a string")
+            ids = await self._engine_call(self.engine.tokenize(prompt))
+        return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
+
+    async def detokenize(self, request: Request) -> dict[str, Any]:
+        """vLLM's /detokenize: {"tokens": [ids]} (+ "model"?) -> {"prompt": text}."""
+        self.check_auth(request)
+        self.check_admission()
+        body = await self.read_json(request)
+        _refuse_unknown(body, frozenset({"model", "tokens"}))
+        self._check_model(body)
+        ids = body.get("tokens")
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise bad("tokens", "is required and must be a list of integer token ids")
+        return {"prompt": await self._engine_call(self.engine.detokenize(ids))}
+
     @staticmethod
     def _raise_if_failed(out: RequestOutput) -> None:
         if out.finished:
@@ -236,6 +295,15 @@ class ServerState:
                 await asyncio.sleep(0.05)
 
 
+def _version() -> str:
+    import batchserve
+
+    try:
+        return importlib.metadata.version("batchserve")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        return batchserve.__version__
+
+
 def create_app(engine: EngineClient | LLMEngine | Callable[[], LLMEngine], config: ServerConfig | None = None,
                model_name: str = "batchserve") -> FastAPI:
     """The app around an engine client, or around an engine (or a factory that builds one on
@@ -252,7 +320,7 @@ def create_app(engine: EngineClient | LLMEngine | Callable[[], LLMEngine], confi
         yield
         await asyncio.to_thread(state.engine.shutdown)
 
-    app = FastAPI(title="batchserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="batchserve", version=_version(), lifespan=lifespan, redoc_url=None)
     app.state.server = state
     app.add_middleware(Guard, config=config, on_status=lambda status: state.metrics.http_errors.labels(str(status)).inc())
 
@@ -282,13 +350,36 @@ def create_app(engine: EngineClient | LLMEngine | Callable[[], LLMEngine], confi
         return error_response(APIError(500, f"internal error (request id {rid})", type="server_error",
                                        code="internal_error", headers={"X-Request-Id": rid}))
 
-    @app.post("/v1/completions")
+    name = state.model_name
+    completion = {"type": "object", "description": "an OpenAI completion object"}
+    gen_errors = (400, 401, 404, 413, 429, 503, 504)
+
+    @app.post("/v1/completions", openapi_extra=openapi.route(
+        openapi.request_schema(False, name), completion, "a completion, or server-sent events when stream is true",
+        errors=gen_errors))
     async def completions(request: Request) -> Response:
         return await state.generate(request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=openapi.route(
+        openapi.request_schema(True, name), completion, "a chat completion, or server-sent events when stream is "
+        "true", errors=gen_errors))
     async def chat_completions(request: Request) -> Response:
         return await state.generate(request, chat=True)
+
+    @app.post("/tokenize", openapi_extra=openapi.route(openapi.tokenize_schema(name), openapi.TOKENIZE_OK,
+                                                       errors=(400, 401, 404, 413, 501, 503)))
+    async def tokenize(request: Request) -> dict[str, Any]:
+        return await state.tokenize(request)
+
+    @app.post("/detokenize", openapi_extra=openapi.route(openapi.DETOKENIZE, openapi.DETOKENIZE_OK,
+                                                         errors=(400, 401, 404, 413, 501, 503)))
+    async def detokenize(request: Request) -> dict[str, Any]:
+        return await state.detokenize(request)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        """batchserve's package version."""
+        return {"version": _version()}
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
