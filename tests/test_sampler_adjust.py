@@ -1,13 +1,19 @@
 """The logit adjustments (logit_bias, min_tokens, repetition / frequency / presence penalties,
-min_p) on direct sampler calls, model-free; and how min_tokens and stop_token_ids end a request,
-on the fake engine."""
+min_p) on direct sampler calls, model-free; how min_tokens and stop_token_ids end a request, on
+the fake engine; and their validation, a 400 naming the field."""
 from __future__ import annotations
+
+import types
 
 import pytest
 import torch
+from conftest import FakeExecutor
 
-from batchserve.request import SamplingParams
+from batchserve.config import CacheConfig, EngineConfig
+from batchserve.engine.engine import LLMEngine
+from batchserve.request import RequestError, RequestSpec, SamplingParams
 from batchserve.runner.sampler import adjust_logits, sample, sample_torch
+from batchserve.server.protocol import APIError, parse_generation
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -91,3 +97,42 @@ def test_min_tokens_and_stop_token_ids_end_requests(make_fake_engine) -> None:
     assert outs["min"].token_ids == list(range(6, 14)) and outs["min"].finish_reason == "length"
     assert outs["stop"].token_ids == [6, 7, 8] and outs["stop"].finish_reason == "stop"
     assert outs["both"].token_ids == [6, 7, 8, 9] and outs["both"].finish_reason == "stop"  # 9 is EOS
+
+
+def _body(**kw) -> dict:
+    return {"model": "m", "prompt": "hi", "max_tokens": 4, **kw}
+
+
+def test_the_fields_reach_sampling_params() -> None:
+    p = parse_generation(_body(presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.2, min_p=0.1,
+                               min_tokens=2, stop_token_ids=[7, 8], logit_bias={"5": 10, "6": -100}),
+                         chat=False).spec.params
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_p, p.min_tokens) == \
+        (0.5, -1.0, 1.2, 0.1, 2)
+    assert p.stop_token_ids == (7, 8) and dict(p.logit_bias) == {5: 10, 6: -100} and p.penalized
+    chat = parse_generation({"model": "m", "messages": [{"role": "user", "content": "hi"}], "min_tokens": 5},
+                            chat=True).spec
+    assert chat.params.min_tokens == 5 and chat.auto_max_tokens  # no max_tokens given: room for min_tokens
+
+
+@pytest.mark.parametrize("field,value", [
+    ("presence_penalty", 2.5), ("frequency_penalty", -2.01), ("repetition_penalty", 0), ("repetition_penalty", 2.5),
+    ("min_p", 1.5), ("min_p", -0.1), ("min_tokens", -1), ("min_tokens", 5), ("min_tokens", 1.5),
+    ("stop_token_ids", 5), ("stop_token_ids", [-1]), ("stop_token_ids", ["a"]),
+    ("logit_bias", {"5": 101}), ("logit_bias", {"x": 1}), ("logit_bias", {"-1": 1}), ("logit_bias", {"5": "1"}),
+    ("logit_bias", [1]), ("presence_penalty", True)])
+def test_out_of_range_values_are_400s_naming_the_field(field, value) -> None:
+    with pytest.raises(APIError) as e:
+        parse_generation(_body(**{field: value}), chat=False)
+    assert e.value.status == 400 and e.value.param == field and field in e.value.message
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused() -> None:
+    ex = FakeExecutor(64)
+    ex.cfg = types.SimpleNamespace(vocab_size=100)
+    eng = LLMEngine(EngineConfig(cache=CacheConfig(block_size=4, num_blocks=64)), ex)
+    ok = RequestSpec(SamplingParams(logit_bias={99: 1}), prompt=[5, 6])
+    assert eng.prepare(ok).params.logit_bias == ((99, 1),)
+    with pytest.raises(RequestError) as e:
+        eng.prepare(RequestSpec(SamplingParams(logit_bias={100: 1}), prompt=[5, 6]))
+    assert e.value.param == "logit_bias"
