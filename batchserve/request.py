@@ -11,6 +11,7 @@ MIN_PRIORITY, MAX_PRIORITY = 0, 10
 DEFAULT_PRIORITY = 5  # the priority of a request that names none; higher is more urgent
 MAX_INT32 = 2**31 - 1  # the largest max_tokens / top_k / token id a request may name
 MAX_STOPS, MAX_STOP_CHARS = 16, 1000
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias a request may set
 
 
 def _is_int(v: object) -> bool:
@@ -67,7 +68,15 @@ class FinishReason(enum.StrEnum):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens and when to stop. temperature 0 means greedy."""
+    """How to pick tokens and when to stop. temperature 0 means greedy.
+
+    The logit adjustments follow OpenAI / vLLM, in vLLM's order: `logit_bias` ((token id, bias)
+    pairs; a dict is taken too) is added; before `min_tokens` tokens the EOS token (unless
+    ignore_eos) and `stop_token_ids` are masked; `repetition_penalty` divides the positive logits
+    (multiplies the negative) of tokens in the prompt or output; `frequency_penalty` · count +
+    `presence_penalty` · [count > 0] over the output is subtracted; after temperature, `min_p`
+    drops tokens less likely than min_p times the most likely. `adjusts_logits` and `penalized`
+    (needs the token history) are derived once, so that the sampler's fast path reads a flag."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -77,6 +86,14 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    adjusts_logits: bool = field(default=False, init=False, repr=False, compare=False)
+    penalized: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -84,7 +101,13 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(bias.items() if isinstance(bias, dict) else bias))
         self.validate()
+        pen = self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+        object.__setattr__(self, "penalized", pen)
+        object.__setattr__(self, "adjusts_logits", pen or bool(self.logit_bias) or self.min_tokens > 0
+                           or (self.min_p > 0 and not self.greedy))
 
     def validate(self) -> None:
         """Raise RequestError naming the first bad field. Every field is bounded here, so that
@@ -107,6 +130,23 @@ class SamplingParams:
                                "characters")
         if len(self.stop_token_ids) > 64 or not all(_is_int(t) and 0 <= t <= MAX_INT32 for t in self.stop_token_ids):
             raise RequestError("stop_token_ids", f"must be up to 64 integers in [0, {MAX_INT32}]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_num(v) or not -2.0 <= v <= 2.0:
+                raise RequestError(name, f"must be a number in [-2, 2], got {v!r}")
+        r = self.repetition_penalty
+        if not _is_num(r) or not 0.0 < r <= 2.0:
+            raise RequestError("repetition_penalty", f"must be a number in (0, 2], got {r!r}")
+        if not _is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise RequestError("min_p", f"must be a number in [0, 1], got {self.min_p!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise RequestError("min_tokens", f"must be an integer in [0, max_tokens ({self.max_tokens})], "
+                               f"got {self.min_tokens!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS or not all(
+                isinstance(e, tuple) and len(e) == 2 and _is_int(e[0]) and 0 <= e[0] <= MAX_INT32
+                and _is_num(e[1]) and -100 <= e[1] <= 100 for e in self.logit_bias):
+            raise RequestError("logit_bias", f"must map up to {MAX_LOGIT_BIAS} token ids in [0, {MAX_INT32}] to "
+                               "numbers in [-100, 100]")
 
     @property
     def greedy(self) -> bool:

@@ -22,7 +22,8 @@ EDGES = [-2**64, -2**63 - 1, -2**63, -1, 0, 1, 2, 2**31 - 1, 2**31, 2**53 + 1, 2
 VALUES = st.one_of(st.none(), st.integers(-2**70, 2**70), st.sampled_from(EDGES), st.floats(),
                    st.sampled_from([0.0, 1e-45, 1e-300, 5e-324, 2.0, 2.0000001, 1.0, 1 + 1e-16]),
                    st.booleans(), st.text(max_size=2))
-FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens")
+FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "presence_penalty", "frequency_penalty",
+          "repetition_penalty", "min_p", "min_tokens")
 ENGINE = LLMEngine(EngineConfig(cache=CacheConfig(block_size=4, num_blocks=64)), FakeExecutor(64))
 
 
@@ -37,7 +38,7 @@ def _kernel():
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("kernel", marks=pytest.mark.kernel)])
 @settings(max_examples=400, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
-@given(values=st.fixed_dictionaries({f: VALUES for f in FIELDS}), chat=st.booleans())
+@given(values=st.fixed_dictionaries({}, optional={f: VALUES for f in FIELDS}), chat=st.booleans())
 def test_what_validation_accepts_the_sampler_takes(backend, values, chat) -> None:
     kernel = _kernel() if backend == "kernel" else None
     given_ = {k: v for k, v in values.items() if v is not None}
@@ -50,7 +51,7 @@ def test_what_validation_accepts_the_sampler_takes(backend, values, chat) -> Non
         assert e.param in e.message
         return
     p = g.spec.params
-    for name in ("temperature", "top_p", "top_k", "seed", "max_tokens"):  # what was sent is what runs
+    for name in FIELDS:  # what was sent is what runs
         if name in given_ and not (name == "top_k" and given_[name] == -1):
             assert getattr(p, name) == given_[name], name
     if not chat:  # the engine's admission: a RequestError naming a field, or a request that fits

@@ -33,7 +33,12 @@ def build_seq(req: Request, n: int, block_table: list[int]) -> ScheduledSeq:
     """The request's next `n` tokens, from its computed count on."""
     start = req.num_computed_tokens
     return ScheduledSeq(req.request_id, req.tokens_slice(start, start + n), start, block_table,
-                        start + n == req.num_tokens, req.params, req.num_output_tokens)
+                        start + n == req.num_tokens, req.params, req.num_output_tokens, history(req))
+
+
+def history(req: Request) -> tuple[list[int], list[int]] | None:
+    """What a ScheduledSeq of `req` carries for the sampler's penalties (see ScheduledSeq)."""
+    return (req.prompt_token_ids, req.output_token_ids) if req.params.penalized else None
 
 
 def is_decoding(req: Request) -> bool:
@@ -131,14 +136,14 @@ class StepBuilder:
                 toks = out_ids[start - p:end - p]
                 if seq is None:
                     seq = req.decode_seq = ScheduledSeq(rid, toks, start, table, end == total, req.params,
-                                                        len(out_ids))
+                                                        len(out_ids), history(req))
                 else:
                     seq.token_ids, seq.start_pos, seq.block_table = toks, start, table
                     seq.sample, seq.output_index = end == total, len(out_ids)
                 out.append(seq)
             else:
                 out.append(ScheduledSeq(rid, req.tokens_slice(start, end), start, table, end == total, req.params,
-                                        len(out_ids)))
+                                        len(out_ids), history(req)))
             budget -= n
         self.spent += self.budget - budget
         self.budget = budget

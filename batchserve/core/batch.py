@@ -13,7 +13,9 @@ class ScheduledSeq:
     A prompt chunk has len > 1, a decode len == 1. `sample` is True when the last of these
     tokens is the sequence's current end, so the step must produce its next token.
     `output_index` is how many tokens the request has generated so far (seeds use it so that
-    sampling is reproducible whatever the batch around it).
+    sampling is reproducible whatever the batch around it). `history`: the request's (prompt ids,
+    output ids), the live lists, set only where its params are `penalized` (the sampler counts
+    them); None otherwise, so that a batch crossing a process boundary carries no more.
     """
 
     request_id: str
@@ -23,6 +25,7 @@ class ScheduledSeq:
     sample: bool
     params: SamplingParams
     output_index: int
+    history: tuple[list[int], list[int]] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -222,7 +222,8 @@ class Scheduler:
                 req.first_token_time = now
             changed.append(req)
             p = req.params
-            if (not p.ignore_eos and tok == req.eos_token_id) or tok in p.stop_token_ids:
+            if (((not p.ignore_eos and tok == req.eos_token_id) or tok in p.stop_token_ids)
+                    and len(out_ids) > p.min_tokens):  # (the sampler masks them before min_tokens)
                 self.finish(req, RequestStatus.FINISHED_STOPPED, now)
             elif len(out_ids) >= req.max_tokens:
                 self.finish(req, length_status(req), now)

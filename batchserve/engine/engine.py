@@ -137,7 +137,7 @@ class LLMEngine:
         if spec.auto_max_tokens is not None:  # no limit given: what the context leaves
             room = min(self.executor.max_model_len, self.kv.num_blocks * self.kv.block_size) - len(ids)
             params = dataclasses.replace(params, max_tokens=max(1, min(spec.auto_max_tokens, room)))
-        self._check(ids, params.max_tokens, where)
+        self._check(ids, params.max_tokens, where, params.logit_bias)
         return dataclasses.replace(spec, prompt=ids, messages=None, params=params, auto_max_tokens=None)
 
     def add(self, spec: RequestSpec, now: float | None = None, prepared: bool = False) -> Request:
@@ -178,7 +178,7 @@ class LLMEngine:
             raise ValueError(f"KV hand-off: K/V for {None if kv is None else kv.shape[2]} positions, "
                              f"prompt has {len(prompt_ids)}")
         at = self.clock.now() if now is None else now
-        self._check(prompt_ids, params.max_tokens)
+        self._check(prompt_ids, params.max_tokens, bias=params.logit_bias)
         req = self._new_request(prompt_ids, params, at if arrival is None else arrival, request_id, priority,
                                 deadline_ms, deadline_kind)
         req.output_token_ids.append(first_token)
@@ -197,12 +197,15 @@ class LLMEngine:
             detokenize_step(self._decode, req.output_token_ids, st)  # its text went out from the prefill side
         return req
 
-    def _check(self, ids: list[int], max_tokens: int, where: str = "prompt") -> None:
-        """RequestError unless the token ids are the model's and prompt plus max_tokens fit
-        both the context and the cache; `where` names the prompt's field."""
+    def _check(self, ids: list[int], max_tokens: int, where: str = "prompt", bias: tuple = ()) -> None:
+        """RequestError unless the token ids (the prompt's, and those of `bias`, a logit_bias)
+        are the model's and prompt plus max_tokens fit both the context and the cache; `where`
+        names the prompt's field."""
         vocab = getattr(getattr(self.executor, "cfg", None), "vocab_size", None)
         if vocab is not None and any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise RequestError("prompt", f"token ids must be integers in [0, {vocab})")
+        if vocab is not None and any(t >= vocab for t, _ in bias):
+            raise RequestError("logit_bias", f"token ids must be in [0, {vocab})")
         limit, n = self.executor.max_model_len, len(ids)
         if n >= limit:
             raise RequestError(where, f"is {n} tokens; the model's context holds {limit}, with room for at "
@@ -397,7 +400,8 @@ class LLMEngine:
         if st is None:
             return ""
         new = detokenize_step(self._decode, req.output_token_ids, st)
-        cut = find_stop(st.text, len(new), req.params.stop)
+        p = req.params  # no stop string ends the answer before min_tokens
+        cut = find_stop(st.text, len(new), p.stop) if len(req.output_token_ids) > p.min_tokens else -1
         if cut >= 0:
             new = new[:max(0, len(new) - (len(st.text) - cut))]
             st.text = st.text[:cut]

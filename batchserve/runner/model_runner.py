@@ -198,7 +198,8 @@ class ModelRunner:
         seqs = [s for s in batch.seqs if s.sample]
         sampled: dict[str, int] = {}
         if seqs:
-            toks = sample(logits, [s.params for s in seqs], [s.output_index for s in seqs], self.generator)
+            toks = sample(logits, [s.params for s in seqs], [s.output_index for s in seqs], self.generator,
+                          history=[s.history for s in seqs], eos_token_id=self.cfg.eos_token_id)
             sampled = {s.request_id: t for s, t in zip(seqs, toks)}
         return StepOutput(sampled, time.perf_counter() - t0)
 

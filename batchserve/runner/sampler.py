@@ -6,6 +6,10 @@ kept after the top-k and top-p cuts. A seeded request takes its u from a generat
 (seed, output index), so its tokens do not depend on which other requests share the step, nor on
 preemption; the others take theirs from the engine's generator.
 
+Before that, the rows of requests that ask for them get their logit adjustments (logit_bias,
+min_tokens, penalties, min_p; see SamplingParams), on just those rows: a batch where no request
+asks for any does no extra work.
+
 On the CPU the C++ kernel (`sample_rows` in runner/csrc/fused_ops.cpp) does every row in one
 call; PyTorch ops do the same computation elsewhere (batched, no per-row loop)."""
 from __future__ import annotations
@@ -39,10 +43,75 @@ def _uniforms(params: list[SamplingParams], output_index: list[int], generator: 
     return u + _HALF_STEP
 
 
+def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], output_index: list[int],
+                  history: list | None = None, eos_token_id: int | None = None) -> torch.Tensor:
+    """logits [S, V] with each row's adjustments applied (SamplingParams, in vLLM's order), in
+    float32 or float64 (a half dtype is widened to float32); rows that ask for none are left as
+    they are, and the rows that do are written in place when the dtype is kept. `history[i]`:
+    (prompt ids, output ids) of row i, for rows whose params are `penalized` (None or missing:
+    no tokens yet). Token ids outside the vocabulary are ignored."""
+    rows = [i for i, p in enumerate(params) if p.adjusts_logits]
+    if not rows:
+        return logits
+    if logits.dtype not in (torch.float32, torch.float64):
+        logits = logits.float()
+    dev, V = logits.device, logits.shape[-1]
+    x = logits[rows]
+    ps = [params[i] for i in rows]
+    bias = [(j, t, b) for j, p in enumerate(ps) for t, b in p.logit_bias if t < V]
+    if bias:
+        j, t, b = zip(*bias)
+        x.index_put_((torch.tensor(j, device=dev), torch.tensor(t, device=dev)),
+                     torch.tensor(b, dtype=x.dtype, device=dev), accumulate=True)
+    banned = [(j, t) for j, p in enumerate(ps) if output_index[rows[j]] < p.min_tokens
+              for t in (*p.stop_token_ids, *(() if p.ignore_eos or eos_token_id is None else (eos_token_id,)))
+              if t < V]
+    if banned:
+        j, t = zip(*banned)
+        x[torch.tensor(j, device=dev), torch.tensor(t, device=dev)] = -torch.inf
+    pen = [j for j, p in enumerate(ps) if p.penalized]
+    if pen:
+        x[pen] = _penalize(x[pen], [ps[j] for j in pen], [(history[rows[j]] if history else None) or ((), ())
+                                                          for j in pen])
+    mp = [j for j, p in enumerate(ps) if p.min_p > 0 and not p.greedy]
+    if mp:  # prob < min_p * max prob, after temperature: logit < max + T * log(min_p)
+        y = x[mp]
+        t = torch.tensor([ps[j].temperature for j in mp], dtype=x.dtype, device=dev)
+        lm = torch.log(torch.tensor([ps[j].min_p for j in mp], dtype=x.dtype, device=dev))
+        thr = y.max(dim=-1).values + t * lm
+        x[mp] = torch.where(y >= thr[:, None], y, torch.full_like(y, -torch.inf))
+    logits[rows] = x
+    return logits
+
+
+def _penalize(x: torch.Tensor, ps: list[SamplingParams], history: list) -> torch.Tensor:
+    """Repetition, then frequency and presence penalties on rows x [n, V], from the counts of
+    each row's output tokens and the tokens of its prompt (one scatter for all rows)."""
+    n, V = x.shape
+    dev = x.device
+
+    def counts(seqs: list[list[int]]) -> torch.Tensor:
+        flat = [j * V + t for j, ids in enumerate(seqs) for t in ids if 0 <= t < V]
+        return torch.bincount(torch.tensor(flat, dtype=torch.long), minlength=n * V).view(n, V).to(dev)
+
+    out = counts([h[1] for h in history])
+    rep = torch.tensor([p.repetition_penalty for p in ps], dtype=x.dtype, device=dev)[:, None]
+    if (rep != 1).any():
+        seen = (out > 0) | (counts([h[0] for h in history]) > 0)
+        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    freq = torch.tensor([p.frequency_penalty for p in ps], dtype=x.dtype, device=dev)[:, None]
+    pres = torch.tensor([p.presence_penalty for p in ps], dtype=x.dtype, device=dev)[:, None]
+    return x - freq * out - pres * (out > 0)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], output_index: list[int],
-           generator: torch.Generator, kernel=None) -> list[int]:
+           generator: torch.Generator, kernel=None, history: list | None = None,
+           eos_token_id: int | None = None) -> list[int]:
     """logits: [S, V] float32, one row per sequence to sample. Returns S token ids. `kernel`: the
-    fused-ops module to use (default: the compiled one where logits are on the CPU, if it built)."""
+    fused-ops module to use (default: the compiled one where logits are on the CPU, if it built).
+    `history` and `eos_token_id`: as adjust_logits takes them (needed only by rows that adjust
+    their logits; those rows of logits may be overwritten)."""
+    logits = adjust_logits(logits, params, output_index, history, eos_token_id)
     if kernel is None and logits.device.type == "cpu" and logits.dtype == torch.float32:
         from batchserve.runner.kernels import fused_ops_ext
 

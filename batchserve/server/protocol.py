@@ -235,6 +235,29 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(v)
 
 
+def _token_ids(body: dict) -> tuple[int, ...]:
+    v = body.get("stop_token_ids")
+    if v is None:
+        return ()
+    if not isinstance(v, list):
+        raise bad("stop_token_ids", f"must be a list of token ids, got {_show(v)}")
+    return tuple(v)  # the ids' range: SamplingParams
+
+
+_TOKEN_KEY = re.compile(r"\d{1,10}")
+
+
+def _logit_bias(body: dict) -> tuple[tuple[int, Any], ...]:
+    """logit_bias as (token id, bias) pairs: the keys are token ids written as strings (JSON's
+    object keys); the biases' range is SamplingParams', the ids' the engine's (the vocabulary)."""
+    v = body.get("logit_bias")
+    if v is None:
+        return ()
+    if not isinstance(v, dict) or not all(_TOKEN_KEY.fullmatch(k) for k in v):
+        raise bad("logit_bias", f"must be an object from token ids (as strings) to numbers, got {_show(v)}")
+    return tuple((int(k), b) for k, b in v.items())
+
+
 def engine_priority(priority: Any, order: str) -> int:
     """The engine's native priority (MIN_PRIORITY..MAX_PRIORITY, higher first) for a request's
     `priority` read in `order`: "native" is that scale itself; "vllm" is vLLM's, lower first with
@@ -273,6 +296,8 @@ def parse_generation(body: dict[str, Any], chat: bool, default_max_tokens: int =
         prompt = _prompt(body)
         max_tokens = _int(body, "max_tokens", lo=1)
     temperature, top_p = _num(body, "temperature"), _num(body, "top_p")  # ranges: SamplingParams
+    penalties = {k: _num(body, k) for k in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")}
+    min_tokens = _int(body, "min_tokens") or 0
     top_k = _int(body, "top_k", lo=-1, hi=MAX_INT32)  # -1 (vLLM's "off") is 0 here
     stream = bool(_bool(body, "stream"))
     opts = body.get("stream_options")
@@ -286,10 +311,12 @@ def parse_generation(body: dict[str, Any], chat: bool, default_max_tokens: int =
     priority = engine_priority(body.get("priority"), priority_order)
     try:
         params = SamplingParams(
-            max_tokens=max_tokens if max_tokens is not None else (1 if chat else 16),
+            max_tokens=max_tokens if max_tokens is not None else (max(1, min_tokens) if chat else 16),
             temperature=1.0 if temperature is None else temperature, top_p=1.0 if top_p is None else top_p,
             top_k=max(0, top_k or 0), seed=_int(body, "seed"), stop=_stop(body),
-            ignore_eos=bool(_bool(body, "ignore_eos")))
+            ignore_eos=bool(_bool(body, "ignore_eos")), stop_token_ids=_token_ids(body),
+            logit_bias=_logit_bias(body), min_tokens=min_tokens,
+            **{k: v for k, v in penalties.items() if v is not None})
         spec = RequestSpec(params, prompt, messages, priority=priority,
                            deadline_ms=body.get("deadline_ms"), deadline_kind=body.get("deadline_kind"),
                            auto_max_tokens=default_max_tokens if chat and max_tokens is None else None,
