@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import math
+from typing import Any
 from dataclasses import dataclass, field
 
 MIN_PRIORITY, MAX_PRIORITY = 0, 10
@@ -195,6 +196,34 @@ def check_priority(priority: object) -> int:
     return priority
 
 
+CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What an answer must match. `kind`: "json" (`spec` a JSON schema as a dict or its text;
+    an empty dict: any JSON object), "regex" (a regular expression, Rust syntax), "choice"
+    (a tuple of strings: exactly one of them), "grammar" (Lark, or GBNF when it uses `::=`).
+    `field` names where the request stated it, for error messages. `whitespace`: a regex for
+    the whitespace JSON may use between tokens (None: none beyond the separators)."""
+
+    kind: str
+    spec: Any
+    field: str = "response_format"
+    whitespace: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in CONSTRAINT_KINDS:
+            raise RequestError(self.field, f"unknown constraint kind {self.kind!r}; one of {', '.join(CONSTRAINT_KINDS)}")
+        ok = {"json": lambda s: isinstance(s, (dict, str, bool)), "regex": lambda s: isinstance(s, str) and s,
+              "choice": lambda s: isinstance(s, tuple) and s and all(isinstance(c, str) and c for c in s),
+              "grammar": lambda s: isinstance(s, str) and s.strip()}[self.kind]
+        if not ok(self.spec):
+            want = {"json": "a JSON schema (an object)", "regex": "a non-empty string",
+                    "choice": "a non-empty list of non-empty strings", "grammar": "a non-empty string"}[self.kind]
+            raise RequestError(self.field, f"must be {want}, got {self.spec!r:.80}")
+
+
 @dataclass(frozen=True)
 class RequestSpec:
     """One request as its caller states it: what to generate from, how, and how urgently.
@@ -206,7 +235,8 @@ class RequestSpec:
     (engine clock) left None is when the engine takes the request. `auto_max_tokens` set (for a
     caller that gave no limit): max_tokens becomes the room the context leaves, up to that many.
     `tenant` names who sent it (the OpenAI `user` field): a level's service is shared fairly
-    between tenants."""
+    between tenants. `constraint`: what the answer must match (structured outputs); preparing
+    the spec compiles it into `grammar`, the request's own matcher (not for pickling)."""
 
     params: SamplingParams
     prompt: str | list[int] | None = None  # text, or token ids
@@ -218,6 +248,11 @@ class RequestSpec:
     auto_max_tokens: int | None = None
     arrival_time: float | None = None
     tenant: str | None = None
+    constraint: Constraint | None = None
+    grammar: Any = field(default=None, repr=False, compare=False)
+
+    def __getstate__(self) -> dict:  # a matcher stays in its process; the constraint travels
+        return {**self.__dict__, "grammar": None}
 
     def __post_init__(self) -> None:
         check_priority(self.priority)
@@ -268,6 +303,7 @@ class Request:
     urgent: bool = False  # promoted to the urgent lane
     aged: bool = False  # promoted for its wait: ahead of every level (bounds starvation)
     tenant: str | None = None  # who sent it: shares of a level are fair between tenants
+    grammar: Any = None  # structured outputs: the matcher its tokens must pass (engine/structured.py)
     # the scheduler's ScheduledSeq for this request's decode steps, updated in place each step
     # rather than built anew (StepBuilder.running; a batch is valid until the next schedule)
     decode_seq: object = field(default=None, init=False, repr=False, compare=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
 from batchserve.config import CacheConfig, EngineConfig, QueueConfig, SchedulerConfig
@@ -26,8 +27,17 @@ class FakeExecutor:
 
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         self.batches.append(batch)
-        return StepOutput({s.request_id: (s.start_pos + s.num_tokens) % 1000 + 3 for s in batch.seqs if s.sample},
-                          self.step_time)
+        return StepOutput({s.request_id: _token(s) for s in batch.seqs if s.sample}, self.step_time)
+
+
+def _token(s) -> int:
+    """(position + 1) % 1000 + 3, or under a structured-output mask the first allowed token from
+    there on (wrapping), as a sampler honouring the mask would."""
+    t = (s.start_pos + s.num_tokens) % 1000 + 3
+    if s.allowed is None:
+        return t
+    ok = np.flatnonzero(np.unpackbits(s.allowed.view(np.uint8), bitorder="little"))
+    return int(ok[np.searchsorted(ok, t) % len(ok)]) if len(ok) else t
 
 
 @pytest.fixture

@@ -32,6 +32,26 @@ class FakeTokenizer:
         return "".join(chr(97 + t % 26) for t in ids)
 
 
+def byte_tokenizer() -> Any:
+    """A real Hugging Face fast tokenizer, model-free: one token per byte (ids 0-255, GPT-2's
+    byte-to-character table), "<eos>" = 256, and a plain chat template. What structured outputs
+    need (they read the tokenizer's vocabulary), in milliseconds."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    keep = {*range(33, 127), *range(161, 173), *range(174, 256)}
+    extra = iter(range(256, 512))
+    vocab = {(chr(b) if b in keep else chr(next(extra))): b for b in range(256)}
+    vocab["<eos>"] = 256
+    t = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    t.decoder = decoders.ByteLevel()
+    t.add_special_tokens(["<eos>"])
+    tok = PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<eos>")
+    tok.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+    return tok
+
+
 def fake_engine(executor: FakeExecutor | None = None, num_blocks: int = 256, queue: QueueConfig | None = None,
                 tokenizer: Any = None, check_leaks: bool = True, **sched: Any) -> LLMEngine:
     """An engine on the wall clock over `executor` (default: a FakeExecutor), with a tokenizer;

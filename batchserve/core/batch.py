@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from batchserve.request import DEFAULT_PRIORITY, FinishReason, SamplingParams
 
@@ -16,6 +17,8 @@ class ScheduledSeq:
     sampling is reproducible whatever the batch around it). `history`: the request's (prompt ids,
     output ids), the live lists, set only where its params are `penalized` (the sampler counts
     them); None otherwise, so that a batch crossing a process boundary carries no more.
+    `allowed`: for a constrained request (structured outputs) that samples, the bitmask of the
+    tokens it may sample (int32 words, bit t % 32 of word t // 32); None: any token.
     """
 
     request_id: str
@@ -26,6 +29,7 @@ class ScheduledSeq:
     params: SamplingParams
     output_index: int
     history: tuple[list[int], list[int]] | None = None
+    allowed: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -221,9 +221,13 @@ class Scheduler:
             if req.first_token_time is None:
                 req.first_token_time = now
             changed.append(req)
-            p = req.params
-            if (((not p.ignore_eos and tok == req.eos_token_id) or tok in p.stop_token_ids)
-                    and len(out_ids) > p.min_tokens):  # (the sampler masks them before min_tokens)
+            p, g = req.params, req.grammar
+            if g is not None and not g.accept(tok):  # only if the sampler ignored the grammar's mask
+                req.error = "the sampled token does not fit the answer's structured-output constraint"
+                self.finish(req, RequestStatus.FINISHED_ERROR, now)
+            elif (((not p.ignore_eos and tok == req.eos_token_id) or tok in p.stop_token_ids)
+                    and len(out_ids) > p.min_tokens) or (g is not None and g.done):
+                # (the sampler masks EOS and stop ids before min_tokens; a complete grammar ends it)
                 self.finish(req, RequestStatus.FINISHED_STOPPED, now)
             elif len(out_ids) >= req.max_tokens:
                 self.finish(req, length_status(req), now)

@@ -212,7 +212,7 @@ class EngineReplica:
             engine.add_prefilled(spec.prompt, first_token, kv_t, spec.params, now=now, request_id=spec.request_id,
                                  priority=spec.priority, deadline_ms=spec.deadline_ms,
                                  deadline_kind=spec.deadline_kind, arrival=arrival,
-                                 first_token_time=arrival + max(0.0, ttft_s))
+                                 first_token_time=arrival + max(0.0, ttft_s), constraint=spec.constraint)
             return time.perf_counter() - t0
 
         return await eng.call(take)

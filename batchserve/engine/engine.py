@@ -16,7 +16,7 @@ from batchserve.core.scheduler import Scheduler
 from batchserve.core.stats import EngineSnapshot, QueueMetrics, QueueStats
 from batchserve.engine.clock import WallClock
 from batchserve.engine.detokenizer import DetokState, detokenize_step, find_stop, text_decoder
-from batchserve.request import DEFAULT_PRIORITY, Request, RequestError, RequestSpec, RequestStatus, SamplingParams
+from batchserve.request import DEFAULT_PRIORITY, Constraint, Request, RequestError, RequestSpec, RequestStatus, SamplingParams
 
 _RUNNING = RequestStatus.RUNNING
 
@@ -95,6 +95,8 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.num_failed_steps = 0  # steps the executor raised on (then bisected)
         self.num_isolated_requests = 0  # requests ended because the executor failed on them alone
+        self._compiler = None  # structured outputs: compiles constraints, made on first use
+        self._grammars: dict[str, Any] = {}  # request id -> its Grammar, while it runs
 
     @classmethod
     def from_config(cls, config: EngineConfig, clock: Any | None = None) -> "LLMEngine":
@@ -138,7 +140,20 @@ class LLMEngine:
             room = min(self.executor.max_model_len, self.kv.num_blocks * self.kv.block_size) - len(ids)
             params = dataclasses.replace(params, max_tokens=max(1, min(spec.auto_max_tokens, room)))
         self._check(ids, params.max_tokens, where, params.logit_bias)
-        return dataclasses.replace(spec, prompt=ids, messages=None, params=params, auto_max_tokens=None)
+        grammar = self.compile(spec.constraint) if spec.constraint is not None else None
+        return dataclasses.replace(spec, prompt=ids, messages=None, params=params, auto_max_tokens=None,
+                                   grammar=grammar)
+
+    def compile(self, constraint: Constraint):
+        """The Grammar for a structured-output constraint (engine/structured.py); RequestError
+        naming the constraint's field if it does not compile. Any thread may call it."""
+        if self._compiler is None:
+            from batchserve.engine.structured import Compiler
+
+            cfg = getattr(self.executor, "cfg", None)
+            vocab = getattr(cfg, "vocab_size", None) or len(getattr(self.tokenizer, "get_vocab", dict)())
+            self._compiler = Compiler(self.tokenizer, vocab, self.eos_token_id)
+        return self._compiler.compile(constraint)
 
     def add(self, spec: RequestSpec, now: float | None = None, prepared: bool = False) -> Request:
         """Tokenize and queue a request (`prepared`: `prepare` has already been done). Raises
@@ -152,6 +167,9 @@ class LLMEngine:
         req = self._new_request(spec.prompt, spec.params, at, spec.request_id, spec.priority, spec.deadline_ms,
                                 spec.deadline_kind)
         req.tenant = spec.tenant
+        if spec.constraint is not None:  # a prepared spec carries its grammar; one grammar per request
+            req.grammar = spec.grammar if prepared and spec.grammar is not None else self.compile(spec.constraint)
+            self._grammars[req.request_id] = req.grammar
         self.scheduler.add(req, req.arrival_time)
         if self.tokenizer is not None:
             self._detok[req.request_id] = DetokState()
@@ -168,12 +186,15 @@ class LLMEngine:
     def add_prefilled(self, prompt_ids: list[int], first_token: int, kv: Any, params: SamplingParams,
                       now: float | None = None, request_id: str | None = None, priority: int = DEFAULT_PRIORITY,
                       deadline_ms: float | None = None, deadline_kind: str | None = None,
-                      arrival: float | None = None, first_token_time: float | None = None) -> Request:
+                      arrival: float | None = None, first_token_time: float | None = None,
+                      constraint: Constraint | None = None) -> Request:
         """Take over a request another engine prefilled (disaggregated serving): `kv` holds its
         prompt's K/V (as `ModelRunner.export_kv` gives it), `first_token` the token sampled
         there, whose text that engine already sent. The request joins the running batch at
         once; if its blocks don't fit now, it queues and recomputes its prompt instead.
-        `arrival` / `first_token_time` (this engine's clock) default to `now`, the hand-off."""
+        `arrival` / `first_token_time` (this engine's clock) default to `now`, the hand-off.
+        `constraint`: its structured-output constraint, compiled here and advanced past
+        `first_token`."""
         if kv is None or kv.shape[2] != len(prompt_ids):
             raise ValueError(f"KV hand-off: K/V for {None if kv is None else kv.shape[2]} positions, "
                              f"prompt has {len(prompt_ids)}")
@@ -183,6 +204,11 @@ class LLMEngine:
                                 deadline_ms, deadline_kind)
         req.output_token_ids.append(first_token)
         req.first_token_time = at if first_token_time is None else first_token_time
+        if constraint is not None:
+            req.grammar = self.compile(constraint)
+            if not req.grammar.accept(first_token):
+                raise RequestError(constraint.field, "the prefilled first token does not fit the constraint")
+            self._grammars[req.request_id] = req.grammar
         if self.scheduler.adopt(req, len(prompt_ids), at):
             try:
                 self.executor.import_kv(self.kv.block_table(req.request_id), kv)
@@ -262,6 +288,7 @@ class LLMEngine:
         blocks are freed and it has no further output here."""
         self.scheduler.hand_off(request_id, self.clock.now() if now is None else now)
         self._detok.pop(request_id, None)
+        self._grammars.pop(request_id, None)
 
     def fail(self, request_ids: list[str], error: str, now: float | None = None) -> None:
         """End these requests with finish reason "error" and `error` (a failed step); their
@@ -306,6 +333,12 @@ class LLMEngine:
         batch = self.scheduler.schedule(start)
         if batch.empty:
             return EngineStep(self._outputs([], start))
+        if self._grammars:  # structured outputs: the tokens each constrained row may sample
+            grammars = self._grammars
+            for seq in batch.seqs:
+                g = grammars.get(seq.request_id)
+                if g is not None:
+                    seq.allowed = g.mask() if seq.sample else None
         output, culprits = self._execute_isolating(batch)
         try:
             end = self.clock.now() if now is None else start + output.step_time
@@ -388,6 +421,9 @@ class LLMEngine:
         for req in finished:  # final text now, while this step's token is known
             text = new_text.get(req.request_id, "") + self._flush_text(req)
             self._held[req.request_id] = (1 if req.request_id in ended_with_token else 0, text)
+        if self._grammars:
+            for req in finished:
+                self._grammars.pop(req.request_id, None)
         for req in self.scheduler.release(finished, end):  # the policy may hold some back
             n_new, text = self._held.pop(req.request_id)
             outs.append(self._output(req, n_new, text))

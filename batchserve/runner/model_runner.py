@@ -198,8 +198,10 @@ class ModelRunner:
         seqs = [s for s in batch.seqs if s.sample]
         sampled: dict[str, int] = {}
         if seqs:
-            toks = sample(logits, [s.params for s in seqs], [s.output_index for s in seqs], self.generator,
-                          history=[s.history for s in seqs], eos_token_id=self.cfg.eos_token_id)
+            with torch.inference_mode():  # the logits are inference tensors: adjustments write in place
+                toks = sample(logits, [s.params for s in seqs], [s.output_index for s in seqs], self.generator,
+                              history=[s.history for s in seqs], eos_token_id=self.cfg.eos_token_id,
+                              allowed=[s.allowed for s in seqs])
             sampled = {s.request_id: t for s, t in zip(seqs, toks)}
         return StepOutput(sampled, time.perf_counter() - t0)
 

@@ -8,12 +8,14 @@ preemption; the others take theirs from the engine's generator.
 
 Before that, the rows of requests that ask for them get their logit adjustments (logit_bias,
 min_tokens, penalties, min_p; see SamplingParams), on just those rows: a batch where no request
-asks for any does no extra work.
+asks for any does no extra work. Rows under a structured-output constraint then get -inf for
+every token their grammar does not allow.
 
 On the CPU the C++ kernel (`sample_rows` in runner/csrc/fused_ops.cpp) does every row in one
 call; PyTorch ops do the same computation elsewhere (batched, no per-row loop)."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from batchserve.request import SamplingParams
@@ -84,6 +86,16 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], output_ind
     return logits
 
 
+def apply_masks(logits: torch.Tensor, rows: list[int], masks: list) -> torch.Tensor:
+    """logits with logits[r, t] = -inf for every token t the bitmask of row r leaves out (int32
+    words, bit t % 32 of word t // 32: ScheduledSeq.allowed), in place."""
+    V = logits.shape[-1]
+    bits = np.unpackbits(np.stack(masks).view(np.uint8), axis=1, bitorder="little")[:, :V]
+    idx = torch.tensor(rows, device=logits.device)
+    logits[idx] = logits[idx].masked_fill(torch.from_numpy(bits == 0).to(logits.device), -torch.inf)
+    return logits
+
+
 def _penalize(x: torch.Tensor, ps: list[SamplingParams], history: list) -> torch.Tensor:
     """Repetition, then frequency and presence penalties on rows x [n, V], from the counts of
     each row's output tokens and the tokens of its prompt (one scatter for all rows)."""
@@ -106,12 +118,17 @@ def _penalize(x: torch.Tensor, ps: list[SamplingParams], history: list) -> torch
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], output_index: list[int],
            generator: torch.Generator, kernel=None, history: list | None = None,
-           eos_token_id: int | None = None) -> list[int]:
+           eos_token_id: int | None = None, allowed: list | None = None) -> list[int]:
     """logits: [S, V] float32, one row per sequence to sample. Returns S token ids. `kernel`: the
     fused-ops module to use (default: the compiled one where logits are on the CPU, if it built).
     `history` and `eos_token_id`: as adjust_logits takes them (needed only by rows that adjust
-    their logits; those rows of logits may be overwritten)."""
+    their logits; those rows of logits may be overwritten). `allowed[i]`: row i's bitmask of
+    the tokens it may sample (ScheduledSeq.allowed), or None; the others get -inf."""
     logits = adjust_logits(logits, params, output_index, history, eos_token_id)
+    if allowed is not None:
+        rows = [i for i, a in enumerate(allowed) if a is not None]
+        if rows:
+            logits = apply_masks(logits, rows, [allowed[i] for i in rows])
     if kernel is None and logits.device.type == "cpu" and logits.dtype == torch.float32:
         from batchserve.runner.kernels import fused_ops_ext
 

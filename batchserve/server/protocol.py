@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from batchserve.request import (DEFAULT_PRIORITY, MAX_INT32, MAX_PRIORITY, MIN_PRIORITY, RequestError, RequestSpec,
-                                SamplingParams)
+from batchserve.request import (DEFAULT_PRIORITY, MAX_INT32, MAX_PRIORITY, MIN_PRIORITY, Constraint, RequestError,
+                                RequestSpec, SamplingParams)
 from batchserve.server import fields
 from batchserve.server.fields import FieldSpec, Status
 
@@ -28,6 +28,12 @@ _NAMES = {chat: frozenset(table) for chat, table in _FIELDS.items()}
 _LIMITED = {chat: tuple(f for f in table.values() if f.status is not Status.HONOURED) for chat, table in _FIELDS.items()}
 _MESSAGE_FIELDS = frozenset({"role", "content", "name"})
 _STREAM_OPTIONS = frozenset({"include_usage"})
+_RESPONSE_FORMAT = {"type", "json_schema"}
+_JSON_SCHEMA = frozenset({"name", "schema", "strict", "description"})
+# vLLM's structured_outputs keys -> constraint kind (json_object: any JSON object)
+_STRUCTURED = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar", "json_object": "json"}
+_STRUCTURED_OPTIONS = frozenset({"whitespace_pattern"})
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string literal
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -258,6 +264,72 @@ def _logit_bias(body: dict) -> tuple[tuple[int, Any], ...]:
     return tuple((int(k), b) for k, b in v.items())
 
 
+def _one_constraint(kind: str, value: Any, where: str, whitespace: str | None = None) -> Constraint:
+    if kind == "choice":
+        if not isinstance(value, list):
+            raise bad(where, f"must be a list of strings, got {_show(value)}")
+        value = tuple(value)
+    if kind == "json" and isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise bad(where, "must be a JSON schema: an object, or a string holding one") from None
+    if kind == "json" and not isinstance(value, (dict, bool)):
+        raise bad(where, f"must be a JSON schema (an object), got {_show(value)}")
+    if kind == "json" and value is False:
+        raise bad(where, "false asks for no constraint: leave the field out")
+    try:
+        return Constraint(kind, {} if value is True else value, where, whitespace)
+    except RequestError as e:
+        raise bad(e.param, e.message) from None
+
+
+def _constraint(body: dict, lenient: bool) -> Constraint | None:
+    """The structured-output constraint a body asks for, from OpenAI's response_format, vLLM's
+    structured_outputs or vLLM's older guided_* fields; at most one of them."""
+    found: list[Constraint] = []
+    rf = body.get("response_format")
+    if rf is not None:
+        if not isinstance(rf, dict):
+            raise bad("response_format", f"must be an object, got {_show(rf)}")
+        if not lenient:
+            _refuse_unknown(rf, _RESPONSE_FORMAT, "response_format")
+        t = rf.get("type")
+        if t == "json_object":
+            found.append(Constraint("json", {}, "response_format"))
+        elif t == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict):
+                raise bad("response_format.json_schema", "is required with type json_schema and must be an object")
+            if not lenient:
+                _refuse_unknown(js, _JSON_SCHEMA, "response_format.json_schema")
+            found.append(_one_constraint("json", js.get("schema", True), "response_format.json_schema.schema"))
+        elif t != "text":
+            raise bad("response_format.type", f"must be 'text', 'json_object' or 'json_schema', got {_show(t)}")
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise bad("structured_outputs", f"must be an object, got {_show(so)}")
+        if not lenient:
+            _refuse_unknown(so, frozenset(_STRUCTURED) | _STRUCTURED_OPTIONS, "structured_outputs")
+        ws = so.get("whitespace_pattern")
+        if ws is not None and not isinstance(ws, str):
+            raise bad("structured_outputs.whitespace_pattern", f"must be a string, got {_show(ws)}")
+        for key, kind in _STRUCTURED.items():
+            if so.get(key) is not None and not (key == "json_object" and so[key] is False):
+                found.append(_one_constraint(kind, so[key], f"structured_outputs.{key}", ws))
+    ws = body.get("guided_whitespace_pattern")
+    if ws is not None and not isinstance(ws, str):
+        raise bad("guided_whitespace_pattern", f"must be a string, got {_show(ws)}")
+    for key, kind in _GUIDED.items():
+        if body.get(key) is not None:
+            found.append(_one_constraint(kind, body[key], key, ws))
+    if len(found) > 1:
+        raise bad(found[1].field, f"only one structured-output constraint per request; {found[0].field} is "
+                  "already one", code="conflicting_parameters")
+    return found[0] if found else None
+
+
 def engine_priority(priority: Any, order: str) -> int:
     """The engine's native priority (MIN_PRIORITY..MAX_PRIORITY, higher first) for a request's
     `priority` read in `order`: "native" is that scale itself; "vllm" is vLLM's, lower first with
@@ -320,7 +392,7 @@ def parse_generation(body: dict[str, Any], chat: bool, default_max_tokens: int =
         spec = RequestSpec(params, prompt, messages, priority=priority,
                            deadline_ms=body.get("deadline_ms"), deadline_kind=body.get("deadline_kind"),
                            auto_max_tokens=default_max_tokens if chat and max_tokens is None else None,
-                           tenant=body.get("user"))
+                           tenant=body.get("user"), constraint=_constraint(body, lenient))
     except RequestError as e:
         raise bad(e.param, e.message) from None
     return GenerationRequest(chat=chat, model=model, spec=spec, stream=stream, include_usage=include_usage)
