@@ -13,6 +13,7 @@ DEFAULT_PRIORITY = 5  # the priority of a request that names none; higher is mor
 MAX_INT32 = 2**31 - 1  # the largest max_tokens / top_k / token id a request may name
 MAX_STOPS, MAX_STOP_CHARS = 16, 1000
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias a request may set
+MAX_LOGPROBS = 20  # most likely tokens reported beside each sampled one (vLLM's default cap)
 
 
 def _is_int(v: object) -> bool:
@@ -76,7 +77,9 @@ class SamplingParams:
     ignore_eos) and `stop_token_ids` are masked; `repetition_penalty` divides the positive logits
     (multiplies the negative) of tokens in the prompt or output; `frequency_penalty` · count +
     `presence_penalty` · [count > 0] over the output is subtracted; after temperature, `min_p`
-    drops tokens less likely than min_p times the most likely. `adjusts_logits` and `penalized`
+    drops tokens less likely than min_p times the most likely. `logprobs` (None: off) asks for
+    each sampled token's log-probability and that many of the most likely tokens beside it
+    (0 to MAX_LOGPROBS), from the model's logits before any of this. `adjusts_logits` and `penalized`
     (needs the token history) are derived once, so that the sampler's fast path reads a flag."""
 
     max_tokens: int = 16
@@ -93,6 +96,7 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
     adjusts_logits: bool = field(default=False, init=False, repr=False, compare=False)
     penalized: bool = field(default=False, init=False, repr=False, compare=False)
 
@@ -148,6 +152,8 @@ class SamplingParams:
                 and _is_num(e[1]) and -100 <= e[1] <= 100 for e in self.logit_bias):
             raise RequestError("logit_bias", f"must map up to {MAX_LOGIT_BIAS} token ids in [0, {MAX_INT32}] to "
                                "numbers in [-100, 100]")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise RequestError("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
@@ -304,6 +310,7 @@ class Request:
     aged: bool = False  # promoted for its wait: ahead of every level (bounds starvation)
     tenant: str | None = None  # who sent it: shares of a level are fair between tenants
     grammar: Any = None  # structured outputs: the matcher its tokens must pass (engine/structured.py)
+    output_logprobs: list | None = None  # a TokenLogprob per output token, when params.logprobs is set
     # the scheduler's ScheduledSeq for this request's decode steps, updated in place each step
     # rather than built anew (StepBuilder.running; a batch is valid until the next schedule)
     decode_seq: object = field(default=None, init=False, repr=False, compare=False)
@@ -313,6 +320,8 @@ class Request:
             raise RequestError("prompt", "must not be empty")
         if self.max_tokens == 0:
             self.max_tokens = self.params.max_tokens
+        if self.params.logprobs is not None and self.output_logprobs is None:
+            self.output_logprobs = []
 
     # --- derived counters -------------------------------------------------------------
     @property

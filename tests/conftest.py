@@ -2,13 +2,14 @@
 KV blocks when the test ends: every request must be finished and every block back."""
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
 import pytest
 
 from batchserve.config import CacheConfig, EngineConfig, QueueConfig, SchedulerConfig
-from batchserve.core.batch import ScheduledBatch, StepOutput
+from batchserve.core.batch import ScheduledBatch, StepOutput, TokenLogprob
 from batchserve.engine.clock import SimClock
 from batchserve.engine.engine import LLMEngine
 
@@ -27,7 +28,16 @@ class FakeExecutor:
 
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         self.batches.append(batch)
-        return StepOutput({s.request_id: _token(s) for s in batch.seqs if s.sample}, self.step_time)
+        sampled = {s.request_id: _token(s) for s in batch.seqs if s.sample}
+        lp = {s.request_id: _logprob(sampled[s.request_id], s.params.logprobs) for s in batch.seqs
+              if s.sample and s.params.logprobs is not None}
+        return StepOutput(sampled, self.step_time, lp or None)
+
+
+def _logprob(tok: int, n: int) -> TokenLogprob:
+    """The fake model's certainty: log(1/2) for its token, then log(1/4), log(1/8)... for the next ids."""
+    top = ((tok, -math.log(2)), *((tok + i, -(i + 1) * math.log(2)) for i in range(1, n)))[:n]
+    return TokenLogprob(tok, -math.log(2), top)
 
 
 def _token(s) -> int:

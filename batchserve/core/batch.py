@@ -68,12 +68,25 @@ class ScheduledBatch:
         return not self.seqs
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability under the model (its logits before temperature and
+    every adjustment, as vLLM reports them by default), and the `top` most likely tokens at that
+    position as (token id, logprob), most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class StepOutput:
-    """Executor's answer: the sampled token for every seq with `sample=True`."""
+    """Executor's answer: the sampled token for every seq with `sample=True`, and for those
+    whose params ask for logprobs, their TokenLogprob."""
 
     sampled: dict[str, int]
     step_time: float = 0.0
+    logprobs: dict[str, TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)
@@ -108,6 +121,9 @@ class RequestOutput:
     finish_time: float | None = None
     priority: int = DEFAULT_PRIORITY
     num_preemptions: int = 0
+    # for a request that asked for logprobs: a TokenLogprob per token of token_ids / new_token_ids
+    logprobs: list[TokenLogprob] | None = None
+    new_logprobs: list[TokenLogprob] | None = None
 
 
 _OUTPUT_FIELDS = tuple(f.name for f in fields(RequestOutput))
@@ -136,6 +152,9 @@ class RunningOutput(RequestOutput):
     prompt_token_ids = property(lambda self: self._req.prompt_token_ids)
     token_ids = property(lambda self: self._req.output_token_ids)
     new_token_ids = property(lambda self: self._req.output_token_ids[self._n - 1:self._n])
+    logprobs = property(lambda self: self._req.output_logprobs)
+    new_logprobs = property(lambda self: None if self._req.output_logprobs is None
+                            else self._req.output_logprobs[self._n - 1:self._n])
     arrival_time = property(lambda self: self._req.arrival_time)
     first_scheduled_time = property(lambda self: self._req.first_scheduled_time)
     first_token_time = property(lambda self: self._req.first_token_time)

@@ -218,6 +218,8 @@ class Scheduler:
             tok = sampled[rid]
             out_ids = req.output_token_ids
             out_ids.append(tok)
+            if req.output_logprobs is not None:
+                req.output_logprobs.append(output.logprobs[rid])
             if req.first_token_time is None:
                 req.first_token_time = now
             changed.append(req)

@@ -195,9 +195,11 @@ class EngineReplica:
         finally:
             self._engine.handoffs.pop(request_id, None)
 
-    async def adopt(self, spec: RequestSpec, first_token: int, age_s: float, ttft_s: float, kv: Any) -> float:
+    async def adopt(self, spec: RequestSpec, first_token: int, age_s: float, ttft_s: float, kv: Any,
+                    first_logprob: Any = None) -> float:
         """Decode role: continue a prefilled request from its K/V; returns the import time (s).
-        `age_s`: since the request arrived; `ttft_s`: arrival to its first token."""
+        `age_s`: since the request arrived; `ttft_s`: arrival to its first token;
+        `first_logprob`: its TokenLogprob, when the request asked for logprobs."""
         import torch
 
         eng = self._engine
@@ -212,7 +214,8 @@ class EngineReplica:
             engine.add_prefilled(spec.prompt, first_token, kv_t, spec.params, now=now, request_id=spec.request_id,
                                  priority=spec.priority, deadline_ms=spec.deadline_ms,
                                  deadline_kind=spec.deadline_kind, arrival=arrival,
-                                 first_token_time=arrival + max(0.0, ttft_s), constraint=spec.constraint)
+                                 first_token_time=arrival + max(0.0, ttft_s), constraint=spec.constraint,
+                                 first_logprob=first_logprob)
             return time.perf_counter() - t0
 
         return await eng.call(take)

@@ -106,6 +106,10 @@ class RayEngineClient(EngineClient):
     Construct it in the main thread (it connects to Ray, or starts a local Ray, and creates the
     actors); `start(loop)` then waits for the models in the background (`ready` turns True)."""
 
+    @property
+    def text_tokenizer(self):
+        return self.tokenizer
+
     def __init__(self, config: EngineConfig, *, replicas: int = 1, prefill_workers: int = 0,
                  decode_workers: int = 0, address: str | None = None, replica_cpus: float = 1.0,
                  replica_gpus: float = 0.0, object_store_mb: int = 512, max_restarts: int = -1,
@@ -414,7 +418,7 @@ class RayEngineClient(EngineClient):
             d.pending.append(entry)
             try:
                 import_s = await d.handle.adopt.remote(t.spec, out.token_ids[0], self.now() - t.arrival, ttft_s,
-                                                       kv_ref)
+                                                       kv_ref, out.logprobs[0] if out.logprobs else None)
             except _actor_down_errors() as e:
                 if entry in d.pending:
                     d.pending.remove(entry)

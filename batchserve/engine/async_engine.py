@@ -194,6 +194,10 @@ class AsyncEngine(EngineClient):
                 raise RequestError("tokens", f"cannot be decoded ({type(e).__name__})") from None
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer, decode)
 
+    @property
+    def text_tokenizer(self):
+        return self.engine.tokenizer if self.engine is not None else None
+
     def _serving(self) -> LLMEngine:
         if not self.ready:
             raise EngineStoppedError("the model is not loaded yet" if not self._stopping else "shutting down")

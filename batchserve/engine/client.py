@@ -58,6 +58,25 @@ class EngineClient(abc.ABC):
         """The server's metric callbacks."""
         self.on_step, self.on_finish = on_step, on_finish
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text, as logprobs report it (decoded alone; cached per token id)."""
+        cache = self.__dict__.setdefault("_token_texts", {})
+        t = cache.get(token_id)
+        if t is None:
+            tok = self.text_tokenizer
+            try:
+                t = tok.decode([token_id], skip_special_tokens=False) if tok is not None else str(token_id)
+            except Exception:  # noqa: BLE001 - an id the tokenizer does not know
+                t = ""
+            if len(cache) < 1 << 20:
+                cache[token_id] = t
+        return t
+
+    @property
+    def text_tokenizer(self):
+        """The tokenizer token_text decodes with (None: token ids are shown as numbers)."""
+        return None
+
     @abc.abstractmethod
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         """Start serving; outputs are delivered on `loop` (default: the running one)."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from batchserve.config import EngineConfig
-from batchserve.core.batch import RequestOutput, RunningOutput, ScheduledBatch, StepOutput, StepRecord
+from batchserve.core.batch import RequestOutput, RunningOutput, ScheduledBatch, StepOutput, StepRecord, TokenLogprob
 from batchserve.core.kv_cache import KVCacheManager
 from batchserve.core.latency import load_latency_profile
 from batchserve.core.policies import make_policy
@@ -187,14 +187,15 @@ class LLMEngine:
                       now: float | None = None, request_id: str | None = None, priority: int = DEFAULT_PRIORITY,
                       deadline_ms: float | None = None, deadline_kind: str | None = None,
                       arrival: float | None = None, first_token_time: float | None = None,
-                      constraint: Constraint | None = None) -> Request:
+                      constraint: Constraint | None = None, first_logprob: Any = None) -> Request:
         """Take over a request another engine prefilled (disaggregated serving): `kv` holds its
         prompt's K/V (as `ModelRunner.export_kv` gives it), `first_token` the token sampled
         there, whose text that engine already sent. The request joins the running batch at
         once; if its blocks don't fit now, it queues and recomputes its prompt instead.
         `arrival` / `first_token_time` (this engine's clock) default to `now`, the hand-off.
         `constraint`: its structured-output constraint, compiled here and advanced past
-        `first_token`."""
+        `first_token`; `first_logprob`: that token's TokenLogprob (for a request that asked for
+        logprobs; without it, that one has no alternatives and logprob 0)."""
         if kv is None or kv.shape[2] != len(prompt_ids):
             raise ValueError(f"KV hand-off: K/V for {None if kv is None else kv.shape[2]} positions, "
                              f"prompt has {len(prompt_ids)}")
@@ -203,6 +204,8 @@ class LLMEngine:
         req = self._new_request(prompt_ids, params, at if arrival is None else arrival, request_id, priority,
                                 deadline_ms, deadline_kind)
         req.output_token_ids.append(first_token)
+        if req.output_logprobs is not None:
+            req.output_logprobs.append(first_logprob or TokenLogprob(first_token, 0.0))
         req.first_token_time = at if first_token_time is None else first_token_time
         if constraint is not None:
             req.grammar = self.compile(constraint)
@@ -371,6 +374,7 @@ class LLMEngine:
             error = e
         self.num_failed_steps += 1
         sampled: dict[str, int] = {}
+        logprobs: dict = {}
         culprits: dict[str, BaseException] = {}
         spent = [0.0]
 
@@ -389,13 +393,14 @@ class LLMEngine:
                     bisect(part, e)
                 else:
                     sampled.update(out.sampled)
+                    logprobs.update(out.logprobs or {})
                     spent[0] += out.step_time
 
         bisect(list(batch.seqs), error)
         if not culprits:
             log.warning("a model step failed (%s: %s) but each part of it ran on its own", type(error).__name__, error)
         self.num_isolated_requests += len(culprits)
-        return StepOutput(sampled, spent[0]), culprits
+        return StepOutput(sampled, spent[0], logprobs or None), culprits
 
     def _outputs(self, changed: list[Request], end: float) -> list[RequestOutput]:
         """The step's outputs: one per running request that got a token, then the finished
@@ -468,4 +473,6 @@ class LLMEngine:
             text=st.text if st is not None else "", new_text=new_text, error=req.error,
             arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time,
             first_token_time=req.first_token_time,
-            finish_time=req.finish_time, priority=req.priority, num_preemptions=req.num_preemptions)
+            finish_time=req.finish_time, priority=req.priority, num_preemptions=req.num_preemptions,
+            logprobs=None if (lp := req.output_logprobs) is None else (list(lp) if done else lp),
+            new_logprobs=None if lp is None else (lp[-n_new:] if n_new else []))

@@ -11,7 +11,9 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     """Two consecutive outputs of one request as one (the later state, both deltas)."""
     if isinstance(b, RunningOutput):
         b = b.plain()
-    return dataclasses.replace(b, new_text=a.new_text + b.new_text, new_token_ids=a.new_token_ids + b.new_token_ids)
+    lp = None if b.new_logprobs is None else (a.new_logprobs or []) + b.new_logprobs
+    return dataclasses.replace(b, new_text=a.new_text + b.new_text, new_token_ids=a.new_token_ids + b.new_token_ids,
+                               new_logprobs=lp)
 
 
 class RequestStream:

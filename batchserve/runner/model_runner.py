@@ -14,7 +14,7 @@ from batchserve.runner.attention import AttnMeta, gather_rows, scatter_rows, slo
 from batchserve.runner.kernels import build_all, fused_ops_ext, paged_attention_ext
 from batchserve.runner.loader import LoadedModel
 from batchserve.runner.models.llama import LlamaModel, has_int_blocks
-from batchserve.runner.sampler import sample
+from batchserve.runner.sampler import log_probs, sample, token_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -197,13 +197,19 @@ class ModelRunner:
         logits = self.compute_logits(batch)
         seqs = [s for s in batch.seqs if s.sample]
         sampled: dict[str, int] = {}
+        logprobs = None
         if seqs:
             with torch.inference_mode():  # the logits are inference tensors: adjustments write in place
+                want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+                lp = log_probs(logits, want) if want else None  # before sampling rewrites any row
                 toks = sample(logits, [s.params for s in seqs], [s.output_index for s in seqs], self.generator,
                               history=[s.history for s in seqs], eos_token_id=self.cfg.eos_token_id,
                               allowed=[s.allowed for s in seqs])
+                if want:
+                    logprobs = {seqs[i].request_id: e for i, e in zip(want, token_logprobs(
+                        lp, [toks[i] for i in want], [seqs[i].params.logprobs for i in want]))}
             sampled = {s.request_id: t for s, t in zip(seqs, toks)}
-        return StepOutput(sampled, time.perf_counter() - t0)
+        return StepOutput(sampled, time.perf_counter() - t0, logprobs)
 
     # --- KV hand-off (disaggregated prefill/decode, batchserve.distributed) ---------------
     def _slots(self, block_table: list[int], n: int) -> torch.Tensor:

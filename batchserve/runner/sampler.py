@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from batchserve.core.batch import TokenLogprob
 from batchserve.request import SamplingParams
 
 _MASK = 2**63 - 1
@@ -94,6 +95,22 @@ def apply_masks(logits: torch.Tensor, rows: list[int], masks: list) -> torch.Ten
     idx = torch.tensor(rows, device=logits.device)
     logits[idx] = logits[idx].masked_fill(torch.from_numpy(bits == 0).to(logits.device), -torch.inf)
     return logits
+
+
+def log_probs(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """log-softmax of these rows of the model's logits, in float32: what logprobs report. Taken
+    before `sample`, which may overwrite adjusted rows in place."""
+    return torch.log_softmax(logits[rows].float(), dim=-1)
+
+
+def token_logprobs(lp: torch.Tensor, tokens: list[int], tops: list[int]) -> list[TokenLogprob]:
+    """Row i of `lp` (log_probs): the logprob of tokens[i] and the tops[i] most likely tokens."""
+    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+    k = max(tops)
+    top_v, top_i = (lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long()))
+    top_v, top_i = top_v.tolist(), top_i.tolist()
+    return [TokenLogprob(t, c, tuple(zip(top_i[j][:n], top_v[j][:n]))) for j, (t, c, n) in
+            enumerate(zip(tokens, chosen, tops))]
 
 
 def _penalize(x: torch.Tensor, ps: list[SamplingParams], history: list) -> torch.Tensor:

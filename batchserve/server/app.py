@@ -184,7 +184,7 @@ class ServerState:
             out = await self.until_disconnect(request, stream.collect(), rid)
             self._raise_if_failed(out)
             return JSONResponse(completion_body(rid, int(time.time()), g.model, out, chat,
-                                                self.config.native_finish_reasons),
+                                                self.config.native_finish_reasons, self.engine.token_text),
                                 headers={"X-Request-Id": rid})
         except ClientGone:
             return Response(status_code=499)  # nobody is listening; for the logs only
@@ -269,7 +269,7 @@ class ServerState:
     async def _sse(self, g: GenerationRequest, rid: str, stream: RequestStream, first: RequestOutput,
                    end: "_StreamEnd") -> AsyncIterator[bytes]:
         writer = ChunkWriter(rid, int(time.time()), g.model, g.chat, g.include_usage,
-                             self.config.native_finish_reasons)
+                             self.config.native_finish_reasons, self.engine.token_text)
         try:
             out = first
             yield writer.write(out)

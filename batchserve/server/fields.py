@@ -82,7 +82,7 @@ FIELDS: tuple[FieldSpec, ...] = (
     _f("presence_penalty",            "b", "number",        "ok",  (0.5,),          "openai",     "✓", "✓", "[-2, 2], over the output tokens so far"),
     _f("frequency_penalty",           "b", "number",        "ok",  (0.5,),          "openai",     "✓", "✓", "[-2, 2], times each token's count in the output so far"),
     _f("logit_bias",                  "b", "object",        "ok",  ({"5": 10},),    "openai",     "✓", "✓", "token id (a string) to a bias in [-100, 100], added to the logit; ids outside the vocabulary are a 400"),
-    _f("logprobs",                    "b", "boolean|integer", "def", (False,),      "openai",     "✓", "✓", "chat: boolean; completions: an integer (how many alternatives); not implemented yet"),
+    _f("logprobs",                    "c", "integer",       "ok",  (2,),            "openai",     "✓", "✓", "how many alternatives per token (0-20); of the model's logits before temperature and penalties, as vLLM"),
     _f("user",                        "b", "string",        "ok",  ("alice",),      "openai",     "✗", "✗", "the tenant: a queue level's service is shared fairly between tenants"),
     # --- OpenAI, completions only ---------------------------------------------------------------------------
     _f("prompt",                      "c", "string|array",  "ok",  ("Hello",),      "openai",     "✓", "✓", "text or token ids; a list of several prompts is not supported yet"),
@@ -92,7 +92,8 @@ FIELDS: tuple[FieldSpec, ...] = (
     # --- OpenAI, chat only ---------------------------------------------------------------------------------
     _f("messages",                    "h", "array",         "ok",  ([{"role": "user", "content": "Hi"}],), "openai", "✓", "✓", "text content only (string or text parts), through the model's chat template"),
     _f("max_completion_tokens",       "h", "integer",       "ok",  (4,),            "openai",     "✓", "✓", "wins over max_tokens"),
-    _f("top_logprobs",                "h", "integer",       "def", (0,),            "openai",     "✓", "✓", "not implemented yet"),
+    _f("logprobs",                    "h", "boolean",       "ok",  (True,),         "openai",     "✓", "✓", "each token's log-probability, of the model's logits before temperature and penalties, as vLLM"),
+    _f("top_logprobs",                "h", "integer",       "ok",  (2,),            "openai",     "✓", "✓", "0-20 alternatives per token; needs logprobs: true"),
     _f("response_format",             "b", "object",        "ok",  ({"type": "json_object"},), "openai", "✓", "✓", "text, json_object or json_schema: the answer is held to the schema token by token (completions: vLLM's extra)"),
     _f("tools",                       "h", "array",         "def", ([],),           "openai",     "✓", "✓", "function calling not implemented yet"),
     _f("tool_choice",                 "h", "string|object", "def", ("none", "auto"), "openai",    "✓", "✓", "only meaningful with tools"),

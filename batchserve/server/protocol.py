@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from batchserve.request import (DEFAULT_PRIORITY, MAX_INT32, MAX_PRIORITY, MIN_PRIORITY, Constraint, RequestError,
-                                RequestSpec, SamplingParams)
+from batchserve.request import (DEFAULT_PRIORITY, MAX_INT32, MAX_LOGPROBS, MAX_PRIORITY, MIN_PRIORITY, Constraint,
+                                RequestError, RequestSpec, SamplingParams)
 from batchserve.server import fields
 from batchserve.server.fields import FieldSpec, Status
 
@@ -330,6 +330,18 @@ def _constraint(body: dict, lenient: bool) -> Constraint | None:
     return found[0] if found else None
 
 
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many alternatives per token to report, None for no logprobs. Chat: `logprobs` true,
+    with `top_logprobs` alternatives (0 to MAX_LOGPROBS); completions: `logprobs` the count."""
+    if chat:
+        on = _bool(body, "logprobs")
+        top = _int(body, "top_logprobs", lo=0, hi=MAX_LOGPROBS)
+        if top and not on:
+            raise bad("top_logprobs", "needs logprobs: true")
+        return (top or 0) if on else None
+    return _int(body, "logprobs", lo=0, hi=MAX_LOGPROBS)
+
+
 def engine_priority(priority: Any, order: str) -> int:
     """The engine's native priority (MIN_PRIORITY..MAX_PRIORITY, higher first) for a request's
     `priority` read in `order`: "native" is that scale itself; "vllm" is vLLM's, lower first with
@@ -370,6 +382,7 @@ def parse_generation(body: dict[str, Any], chat: bool, default_max_tokens: int =
     temperature, top_p = _num(body, "temperature"), _num(body, "top_p")  # ranges: SamplingParams
     penalties = {k: _num(body, k) for k in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")}
     min_tokens = _int(body, "min_tokens") or 0
+    logprobs = _logprobs(body, chat)
     top_k = _int(body, "top_k", lo=-1, hi=MAX_INT32)  # -1 (vLLM's "off") is 0 here
     stream = bool(_bool(body, "stream"))
     opts = body.get("stream_options")
@@ -387,7 +400,7 @@ def parse_generation(body: dict[str, Any], chat: bool, default_max_tokens: int =
             temperature=1.0 if temperature is None else temperature, top_p=1.0 if top_p is None else top_p,
             top_k=max(0, top_k or 0), seed=_int(body, "seed"), stop=_stop(body),
             ignore_eos=bool(_bool(body, "ignore_eos")), stop_token_ids=_token_ids(body),
-            logit_bias=_logit_bias(body), min_tokens=min_tokens,
+            logit_bias=_logit_bias(body), min_tokens=min_tokens, logprobs=logprobs,
             **{k: v for k, v in penalties.items() if v is not None})
         spec = RequestSpec(params, prompt, messages, priority=priority,
                            deadline_ms=body.get("deadline_ms"), deadline_kind=body.get("deadline_kind"),

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from typing import Any, Callable
 
-from batchserve.core.batch import RequestOutput
+from batchserve.core.batch import RequestOutput, TokenLogprob
 from batchserve.request import FinishReason
 from batchserve.server.protocol import APIError
 
@@ -62,14 +62,45 @@ def usage(out: RequestOutput) -> dict[str, int]:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def completion_body(rid: str, created: int, model: str, out: RequestOutput, chat: bool,
-                    native_finish: bool = False) -> dict[str, Any]:
-    """The non-streaming response for a finished output (`native_finish`: see finish_fields)."""
-    finish = finish_fields(out.finish_reason, native_finish)
+TokenText = Callable[[int], str]
+
+
+def _chat_entry(tid: int, lp: float, text: TokenText) -> dict[str, Any]:
+    t = text(tid)
+    return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8", "replace"))}
+
+
+def logprobs_body(entries: list[TokenLogprob] | None, chat: bool, text: TokenText,
+                  offset: int = 0) -> dict[str, Any] | None:
+    """A choice's `logprobs` for these tokens, in the endpoint's own shape (None when the
+    request asked for none). Chat: {"content": [{token, logprob, bytes, top_logprobs}]};
+    completions: {tokens, token_logprobs, top_logprobs, text_offset}, offsets counted from
+    `offset` (the text before these tokens)."""
+    if entries is None:
+        return None
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None, **finish}
+        return {"content": [{**_chat_entry(e.token_id, e.logprob, text),
+                             "top_logprobs": [_chat_entry(i, v, text) for i, v in e.top]} for e in entries],
+                "refusal": None}
+    tokens = [text(e.token_id) for e in entries]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{text(i): v for i, v in e.top} for e in entries], "text_offset": offsets}
+
+
+def completion_body(rid: str, created: int, model: str, out: RequestOutput, chat: bool,
+                    native_finish: bool = False, token_text: TokenText = str) -> dict[str, Any]:
+    """The non-streaming response for a finished output (`native_finish`: see finish_fields;
+    `token_text`: a token's text, for logprobs)."""
+    finish = finish_fields(out.finish_reason, native_finish)
+    lp = logprobs_body(out.logprobs, chat, token_text)
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": lp, **finish}
     else:
-        choice = {"index": 0, "text": out.text, "logprobs": None, **finish}
+        choice = {"index": 0, "text": out.text, "logprobs": lp, **finish}
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": model, "choices": [choice], "usage": usage(out)}
 
@@ -82,10 +113,11 @@ class ChunkWriter:
     """Turns a request's outputs into SSE bytes: one write per output read."""
 
     def __init__(self, rid: str, created: int, model: str, chat: bool, include_usage: bool,
-                 native_finish: bool = False) -> None:
+                 native_finish: bool = False, token_text: TokenText = str) -> None:
         self.rid, self.created, self.model, self.chat = rid, created, model, chat
-        self.include_usage, self.native_finish = include_usage, native_finish
+        self.include_usage, self.native_finish, self.token_text = include_usage, native_finish, token_text
         self._started = False
+        self._offset = 0  # completions' text_offset: characters of the tokens reported so far
         # A text delta is most of a stream's chunks, and only its text changes: the bytes around
         # it are built once (the same bytes sse() would write for the whole object; the text is
         # the object's last string).
@@ -103,12 +135,23 @@ class ChunkWriter:
             obj["usage"] = usage_
         return sse(obj)
 
-    def _choice(self, text: str | None, finish: FinishReason | None) -> dict[str, Any]:
+    def _choice(self, text: str | None, finish: FinishReason | None, lps: list | None = None) -> dict[str, Any]:
         reason = finish_fields(finish, self.native_finish)
+        lp = None
+        if lps:
+            lp = logprobs_body(lps, self.chat, self.token_text, self._offset)
+            if not self.chat:
+                self._offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
         if self.chat:
             delta = {} if text is None else {"content": text}
-            return {"index": 0, "delta": delta, "logprobs": None, **reason}
-        return {"index": 0, "text": text or "", "logprobs": None, **reason}
+            return {"index": 0, "delta": delta, "logprobs": lp, **reason}
+        return {"index": 0, "text": text or "", "logprobs": lp, **reason}
+
+    def _text(self, out: RequestOutput) -> bytes:
+        """The chunk with this output's new text (and its tokens' logprobs), or nothing."""
+        if out.new_logprobs:
+            return self._chunk(self._choice(out.new_text, None, out.new_logprobs))
+        return self._delta(out.new_text) if out.new_text else b""
 
     def write(self, out: RequestOutput) -> bytes:
         """Chunks for one (possibly merged) output; the last ones once it is finished."""
@@ -118,21 +161,18 @@ class ChunkWriter:
                                       "logprobs": None, "finish_reason": None}))
         self._started = True
         if not out.finished:
-            if out.new_text:
-                parts.append(self._delta(out.new_text))
+            parts.append(self._text(out))
             return b"".join(parts)
         err = output_error(out)
         if err is not None:  # the status line is long gone: an error event, as OpenAI streams do
-            if out.new_text:
-                parts.append(self._delta(out.new_text))
+            parts.append(self._text(out))
             parts.append(sse({**err.body(), "status_code": err.status}))
             return b"".join(parts) + SSE_DONE
         if self.chat:
-            if out.new_text:
-                parts.append(self._delta(out.new_text))
+            parts.append(self._text(out))
             parts.append(self._chunk(self._choice(None, out.finish_reason)))
         else:
-            parts.append(self._chunk(self._choice(out.new_text, out.finish_reason)))
+            parts.append(self._chunk(self._choice(out.new_text, out.finish_reason, out.new_logprobs)))
         if self.include_usage:
             parts.append(self._chunk(None, usage(out)))
         return b"".join(parts) + SSE_DONE
