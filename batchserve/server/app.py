@@ -29,14 +29,14 @@ from batchserve.engine.async_engine import AsyncEngine
 from batchserve.engine.client import EngineClient, EngineStoppedError
 from batchserve.engine.engine import LLMEngine
 from batchserve.engine.request_stream import RequestStream
-from batchserve.request import OverloadedError, RequestError
+from batchserve.request import OverloadedError, RequestError, RequestSpec
 from batchserve.server.config import ServerConfig
 from batchserve.server.guard import Guard
 from batchserve.server.metrics import ServerMetrics
 from batchserve.server import openapi
 from batchserve.server.protocol import (APIError, GenerationRequest, _messages, _refuse_unknown, bad,
                                         parse_generation, parse_json)
-from batchserve.server.responses import ChunkWriter, completion_body, output_error, retry_after
+from batchserve.server.responses import ChunkWriter, completion_body, output_error, retry_after, usage
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -54,15 +54,16 @@ async def _wait_disconnect(request: Request) -> None:
 class _StreamEnd:
     """The once-only end of a streamed request: abort it if unfinished, count it out."""
 
-    def __init__(self, state: "ServerState", stream: RequestStream) -> None:
-        self.state, self.stream, self.ended = state, stream, False
+    def __init__(self, state: "ServerState", stream: RequestStream | list[RequestStream]) -> None:
+        self.state, self.streams, self.ended = state, stream if isinstance(stream, list) else [stream], False
 
     def __call__(self) -> None:
         if self.ended:
             return
         self.ended = True
-        if not self.stream.finished:
-            self.state.engine.abort(self.stream.request_id)
+        for s in self.streams:
+            if not s.finished:
+                self.state.engine.abort(s.request_id)
         self.state.inflight -= 1
 
     async def later(self) -> None:  # async, so Starlette runs it on the event loop
@@ -139,8 +140,8 @@ class ServerState:
             chunks.append(chunk)
         return parse_json(b"".join(chunks), self.config.max_json_depth)
 
-    async def until_disconnect(self, request: Request, aw: Awaitable[T], rid: str) -> T:
-        """Await `aw` unless the client leaves first; then abort the request at once."""
+    async def until_disconnect(self, request: Request, aw: Awaitable[T], rid: str | list[str]) -> T:
+        """Await `aw` unless the client leaves first; then abort the request(s) at once."""
         task = asyncio.ensure_future(aw)
         watcher = asyncio.ensure_future(_wait_disconnect(request))
         try:
@@ -149,7 +150,8 @@ class ServerState:
             watcher.cancel()
             if not task.done():
                 task.cancel()
-                self.engine.abort(rid)
+                for r in [rid] if isinstance(rid, str) else rid:
+                    self.engine.abort(r)
         if not task.done() or task.cancelled():
             raise ClientGone(rid)
         return task.result()
@@ -169,7 +171,9 @@ class ServerState:
         self.inflight += 1
         handed_to_stream = False
         try:
-            stream = await self._add(g, rid, arrival)
+            if len(g.specs) > 1:
+                return await self._generate_many(request, g, rid, arrival)
+            stream = await self._add(g.spec, rid, arrival)
             if g.stream:  # wait for the first output, so an early failure still gets its status code
                 first = await self.until_disconnect(request, stream.next(), rid)
                 self._raise_if_failed(first)
@@ -184,7 +188,8 @@ class ServerState:
             out = await self.until_disconnect(request, stream.collect(), rid)
             self._raise_if_failed(out)
             return JSONResponse(completion_body(rid, int(time.time()), g.model, out, chat,
-                                                self.config.native_finish_reasons, self.engine.token_text),
+                                                self.config.native_finish_reasons, self.engine.token_text,
+                                                prefixes=self._echoes(g)),
                                 headers={"X-Request-Id": rid})
         except ClientGone:
             return Response(status_code=499)  # nobody is listening; for the logs only
@@ -192,9 +197,92 @@ class ServerState:
             if not handed_to_stream:
                 self.inflight -= 1
 
-    async def _add(self, g: GenerationRequest, rid: str, arrival: float) -> RequestStream:
+    def _echoes(self, g: GenerationRequest) -> list[str] | None:
+        """With echo, each choice's prompt text (token-id prompts decoded)."""
+        if not g.echo:
+            return None
+        tok = self.engine.text_tokenizer
+        return [s.prompt if isinstance(s.prompt, str) else
+                (tok.decode(s.prompt) if tok is not None else "") for s in g.specs]
+
+    async def _generate_many(self, request: Request, g: GenerationRequest, rid: str, arrival: float) -> Response:
+        """Several choices (n > 1, or several prompts): one engine request each, answered
+        together; any choice failing fails the whole request, as a single one would."""
+        streams: list[RequestStream] = []
         try:
-            return await self.engine.add(dataclasses.replace(g.spec, request_id=rid, arrival_time=arrival))
+            for i, spec in enumerate(g.specs):
+                streams.append(await self._add(spec, f"{rid}-{i}", arrival))
+        except BaseException:
+            for s in streams:
+                self.engine.abort(s.request_id)
+            raise
+        ids = [s.request_id for s in streams]
+
+        def fail_all(outs: list[RequestOutput]) -> None:
+            try:
+                for out in outs:
+                    self._raise_if_failed(out)
+            except APIError:
+                for s in streams:
+                    if not s.finished:
+                        self.engine.abort(s.request_id)
+                raise
+
+        if not g.stream:
+            outs = await self.until_disconnect(request, asyncio.gather(*(s.collect() for s in streams)), ids)
+            fail_all(outs)
+            return JSONResponse(completion_body(rid, int(time.time()), g.model, list(outs), g.chat,
+                                                self.config.native_finish_reasons, self.engine.token_text, g.n,
+                                                self._echoes(g)),
+                                headers={"X-Request-Id": rid})
+        firsts = await self.until_disconnect(request, asyncio.gather(*(s.next() for s in streams)), ids)
+        fail_all(firsts)
+        for s in streams:
+            s.seen = True
+        end = _StreamEnd(self, streams)
+        self.inflight += 1  # the stream's own count: `end` takes it back; the caller's comes back now
+        return StreamingResponse(self._sse_many(g, rid, streams, list(firsts), end), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Request-Id": rid},
+                                 background=BackgroundTask(end.later))
+
+    async def _sse_many(self, g: GenerationRequest, rid: str, streams: list[RequestStream],
+                        firsts: list[RequestOutput], end: "_StreamEnd") -> AsyncIterator[bytes]:
+        created, echoes = int(time.time()), self._echoes(g)
+        writers = [ChunkWriter(rid, created, g.model, g.chat, g.include_usage, self.config.native_finish_reasons,
+                               self.engine.token_text, index=i, last=False, prefix=echoes[i] if echoes else "")
+                   for i in range(len(streams))]
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        pending: dict[asyncio.Future, int] = {}
+        try:
+            for i, out in enumerate(firsts):
+                yield writers[i].write(out)
+                if out.finished:
+                    finals[i] = out
+                else:
+                    pending[asyncio.ensure_future(streams[i].next())] = i
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    i = pending.pop(task)
+                    out = task.result()
+                    chunk = writers[i].write(out)
+                    if out.finished and output_error(out) is not None:  # the error event ends the stream
+                        yield chunk
+                        return
+                    yield chunk
+                    if out.finished:
+                        finals[i] = out
+                    else:
+                        pending[asyncio.ensure_future(streams[i].next())] = i
+            yield writers[0].end(usage([o for o in finals if o is not None], g.n))
+        finally:  # also on disconnect
+            for task in pending:
+                task.cancel()
+            end()
+
+    async def _add(self, spec: RequestSpec, rid: str, arrival: float) -> RequestStream:
+        try:
+            return await self.engine.add(dataclasses.replace(spec, request_id=rid, arrival_time=arrival))
         except RequestError as e:
             raise bad(e.param, e.message) from None
         except OverloadedError as e:
@@ -268,8 +356,9 @@ class ServerState:
 
     async def _sse(self, g: GenerationRequest, rid: str, stream: RequestStream, first: RequestOutput,
                    end: "_StreamEnd") -> AsyncIterator[bytes]:
+        echo = self._echoes(g)
         writer = ChunkWriter(rid, int(time.time()), g.model, g.chat, g.include_usage,
-                             self.config.native_finish_reasons, self.engine.token_text)
+                             self.config.native_finish_reasons, self.engine.token_text, prefix=echo[0] if echo else "")
         try:
             out = first
             yield writer.write(out)

@@ -7,6 +7,7 @@ field (`param`) and types are strict: "5" is not an integer, true is not a numbe
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -61,16 +62,26 @@ def bad(param: str | None, message: str, code: str = "invalid_value") -> APIErro
     return APIError(400, f"{param}: {message}" if param else message, param=param, code=code)
 
 
+MAX_CHOICES = 64  # choices one HTTP request may ask for: prompts times n
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
-    """A validated completion or chat request: `spec` for the engine (its request id and
-    arrival time are the server's to fill in), the rest for the response."""
+    """A validated completion or chat request: `specs` for the engine, one per choice, choice
+    i * n + j being prompt i's j-th (request ids and arrival time are the server's to fill in);
+    the rest for the response. `echo`: each choice's text starts with its prompt's."""
 
     chat: bool
     model: str
-    spec: RequestSpec
+    specs: tuple[RequestSpec, ...]
     stream: bool
     include_usage: bool
+    n: int = 1
+    echo: bool = False
+
+    @property
+    def spec(self) -> RequestSpec:
+        return self.specs[0]
 
 
 def json_too_deep(raw: bytes, limit: int) -> bool:
@@ -180,24 +191,26 @@ def _bool(body: dict, name: str, where: str | None = None) -> bool | None:
     return v
 
 
-def _prompt(body: dict) -> str | list[int]:
+def _prompts(body: dict) -> list[str | list[int]]:
+    """The prompts of a completions body: a string, token ids, or a list of either."""
     p = body.get("prompt")
     if p is None:
         raise bad("prompt", "is required")
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]  # a batch of one
-    if isinstance(p, str):
-        if not p:
-            raise bad("prompt", "must not be empty")
-        return p
-    if isinstance(p, list):
-        if not p:
-            raise bad("prompt", "must not be empty")
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-            return p
-        if all(isinstance(t, (str, list)) for t in p):
-            raise bad("prompt", f"only one prompt per request is supported, got {len(p)}")
-    raise bad("prompt", "must be a string or a list of token ids")
+    if isinstance(p, str) or (isinstance(p, list) and p and all(_is_id(t) for t in p)):
+        p = [p]
+    if not isinstance(p, list) or not p:
+        raise bad("prompt", "must be a string, a list of token ids, or a non-empty list of either")
+    for i, q in enumerate(p):
+        where = "prompt" if len(p) == 1 else f"prompt[{i}]"
+        if not q:
+            raise bad(where, "must not be empty")
+        if not (isinstance(q, str) or (isinstance(q, list) and all(_is_id(t) for t in q))):
+            raise bad(where, "must be a string or a list of token ids")
+    return p
+
+
+def _is_id(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
 
 
 def _messages(body: dict, lenient: bool) -> list[dict]:
@@ -371,13 +384,13 @@ def parse_generation(body: dict[str, Any], chat: bool, default_max_tokens: int =
         raise bad("model", "is required and must be a string" if model is None else f"must be a string, got {_show(model)}")
     for spec in _LIMITED[chat]:
         _refuse_unsupported(body, spec)
-    prompt = messages = None
+    prompts, messages = [None], None
     if chat:
         messages = _messages(body, lenient)
         max_tokens = _int(body, "max_completion_tokens", lo=1)
         max_tokens = _int(body, "max_tokens", lo=1) if max_tokens is None else max_tokens
     else:
-        prompt = _prompt(body)
+        prompts = _prompts(body)
         max_tokens = _int(body, "max_tokens", lo=1)
     temperature, top_p = _num(body, "temperature"), _num(body, "top_p")  # ranges: SamplingParams
     penalties = {k: _num(body, k) for k in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")}
@@ -394,6 +407,12 @@ def parse_generation(body: dict[str, Any], chat: bool, default_max_tokens: int =
         _refuse_unknown(opts, _STREAM_OPTIONS, "stream_options")
     include_usage = bool(_bool(opts, "include_usage", "stream_options.include_usage")) if opts else False
     priority = engine_priority(body.get("priority"), priority_order)
+    n = _int(body, "n", lo=1, hi=MAX_CHOICES) or 1
+    if n * len(prompts) > MAX_CHOICES:
+        raise bad("n", f"{len(prompts)} prompts times n = {n} asks for more than {MAX_CHOICES} choices")
+    echo = bool(_bool(body, "echo")) if not chat else False
+    if echo and logprobs is not None:
+        raise bad("echo", "with logprobs needs the prompt's logprobs, which this server does not report yet")
     try:
         params = SamplingParams(
             max_tokens=max_tokens if max_tokens is not None else (max(1, min_tokens) if chat else 16),
@@ -402,10 +421,21 @@ def parse_generation(body: dict[str, Any], chat: bool, default_max_tokens: int =
             ignore_eos=bool(_bool(body, "ignore_eos")), stop_token_ids=_token_ids(body),
             logit_bias=_logit_bias(body), min_tokens=min_tokens, logprobs=logprobs,
             **{k: v for k, v in penalties.items() if v is not None})
-        spec = RequestSpec(params, prompt, messages, priority=priority,
+        spec = RequestSpec(params, prompts[0], messages, priority=priority,
                            deadline_ms=body.get("deadline_ms"), deadline_kind=body.get("deadline_kind"),
                            auto_max_tokens=default_max_tokens if chat and max_tokens is None else None,
                            tenant=body.get("user"), constraint=_constraint(body, lenient))
     except RequestError as e:
         raise bad(e.param, e.message) from None
-    return GenerationRequest(chat=chat, model=model, spec=spec, stream=stream, include_usage=include_usage)
+    specs = tuple(spec if i == j == 0 else dataclasses.replace(spec, prompt=p, params=_child(params, j))
+                  for i, p in enumerate(prompts) for j in range(n))
+    return GenerationRequest(chat=chat, model=model, specs=specs, stream=stream, include_usage=include_usage,
+                             n=n, echo=echo)
+
+
+def _child(params: SamplingParams, j: int) -> SamplingParams:
+    """The params of a prompt's j-th choice: its own seed (seed + j) when one is set, so that
+    the choices differ and each stays reproducible."""
+    if j == 0 or params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + j + 2**63) % 2**64 - 2**63)

@@ -57,8 +57,12 @@ def output_error(out: RequestOutput, retry_after_s: float = 1.0) -> APIError | N
     return APIError(status, what + detail, code=code, type=kind, headers=headers)
 
 
-def usage(out: RequestOutput) -> dict[str, int]:
-    p, c = len(out.prompt_token_ids), len(out.token_ids)
+def usage(out: RequestOutput | list[RequestOutput], n: int = 1) -> dict[str, int]:
+    """Token counts of one output, or of a request's choices (n per prompt: each prompt
+    counted once)."""
+    outs = out if isinstance(out, list) else [out]
+    p = sum(len(o.prompt_token_ids) for o in outs[::n])
+    c = sum(len(o.token_ids) for o in outs)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
@@ -91,18 +95,24 @@ def logprobs_body(entries: list[TokenLogprob] | None, chat: bool, text: TokenTex
             "top_logprobs": [{text(i): v for i, v in e.top} for e in entries], "text_offset": offsets}
 
 
-def completion_body(rid: str, created: int, model: str, out: RequestOutput, chat: bool,
-                    native_finish: bool = False, token_text: TokenText = str) -> dict[str, Any]:
-    """The non-streaming response for a finished output (`native_finish`: see finish_fields;
-    `token_text`: a token's text, for logprobs)."""
-    finish = finish_fields(out.finish_reason, native_finish)
-    lp = logprobs_body(out.logprobs, chat, token_text)
-    if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": lp, **finish}
-    else:
-        choice = {"index": 0, "text": out.text, "logprobs": lp, **finish}
+def completion_body(rid: str, created: int, model: str, out: RequestOutput | list[RequestOutput], chat: bool,
+                    native_finish: bool = False, token_text: TokenText = str, n: int = 1,
+                    prefixes: list[str] | None = None) -> dict[str, Any]:
+    """The non-streaming response for a finished output, or a request's finished choices in
+    order (n per prompt); `native_finish`: see finish_fields; `token_text`: a token's text, for
+    logprobs; `prefixes`: text before each choice's (echo)."""
+    outs = out if isinstance(out, list) else [out]
+    choices = []
+    for i, o in enumerate(outs):
+        finish = finish_fields(o.finish_reason, native_finish)
+        lp = logprobs_body(o.logprobs, chat, token_text)
+        if chat:
+            choices.append({"index": i, "message": {"role": "assistant", "content": o.text}, "logprobs": lp, **finish})
+        else:
+            text = (prefixes[i] if prefixes else "") + o.text
+            choices.append({"index": i, "text": text, "logprobs": lp, **finish})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": model, "choices": [choice], "usage": usage(out)}
+            "model": model, "choices": choices, "usage": usage(outs, n)}
 
 
 def sse(obj: dict[str, Any]) -> bytes:
@@ -110,12 +120,16 @@ def sse(obj: dict[str, Any]) -> bytes:
 
 
 class ChunkWriter:
-    """Turns a request's outputs into SSE bytes: one write per output read."""
+    """Turns a request's outputs into SSE bytes: one write per output read. With several
+    choices, one writer per choice (`index`), each with `last` False: the caller writes the
+    usage and the end (`end`) once all are done. `prefix`: text before the choice's (echo)."""
 
     def __init__(self, rid: str, created: int, model: str, chat: bool, include_usage: bool,
-                 native_finish: bool = False, token_text: TokenText = str) -> None:
+                 native_finish: bool = False, token_text: TokenText = str, index: int = 0, last: bool = True,
+                 prefix: str = "") -> None:
         self.rid, self.created, self.model, self.chat = rid, created, model, chat
         self.include_usage, self.native_finish, self.token_text = include_usage, native_finish, token_text
+        self.index, self.last, self._prefix = index, last, prefix
         self._started = False
         self._offset = 0  # completions' text_offset: characters of the tokens reported so far
         # A text delta is most of a stream's chunks, and only its text changes: the bytes around
@@ -144,8 +158,8 @@ class ChunkWriter:
                 self._offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
         if self.chat:
             delta = {} if text is None else {"content": text}
-            return {"index": 0, "delta": delta, "logprobs": lp, **reason}
-        return {"index": 0, "text": text or "", "logprobs": lp, **reason}
+            return {"index": self.index, "delta": delta, "logprobs": lp, **reason}
+        return {"index": self.index, "text": text or "", "logprobs": lp, **reason}
 
     def _text(self, out: RequestOutput) -> bytes:
         """The chunk with this output's new text (and its tokens' logprobs), or nothing."""
@@ -157,8 +171,10 @@ class ChunkWriter:
         """Chunks for one (possibly merged) output; the last ones once it is finished."""
         parts: list[bytes] = []
         if self.chat and not self._started:
-            parts.append(self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""},
+            parts.append(self._chunk({"index": self.index, "delta": {"role": "assistant", "content": ""},
                                       "logprobs": None, "finish_reason": None}))
+        if self._prefix and not self._started:
+            parts.append(self._delta(self._prefix))
         self._started = True
         if not out.finished:
             parts.append(self._text(out))
@@ -167,12 +183,16 @@ class ChunkWriter:
         if err is not None:  # the status line is long gone: an error event, as OpenAI streams do
             parts.append(self._text(out))
             parts.append(sse({**err.body(), "status_code": err.status}))
-            return b"".join(parts) + SSE_DONE
+            return b"".join(parts) + SSE_DONE  # (the end of the whole stream, whatever `last`)
         if self.chat:
             parts.append(self._text(out))
             parts.append(self._chunk(self._choice(None, out.finish_reason)))
         else:
             parts.append(self._chunk(self._choice(out.new_text, out.finish_reason, out.new_logprobs)))
-        if self.include_usage:
-            parts.append(self._chunk(None, usage(out)))
-        return b"".join(parts) + SSE_DONE
+        if not self.last:
+            return b"".join(parts)
+        return b"".join(parts) + self.end(usage(out))
+
+    def end(self, usage_: dict[str, int]) -> bytes:
+        """The stream's last bytes: the usage chunk (when asked for) and [DONE]."""
+        return (self._chunk(None, usage_) if self.include_usage else b"") + SSE_DONE
