@@ -255,6 +255,7 @@ class RequestSpec:
     arrival_time: float | None = None
     tenant: str | None = None
     constraint: Constraint | None = None
+    tools: list[dict] | None = None  # for the chat template (function calling)
     grammar: Any = field(default=None, repr=False, compare=False)
 
     def __getstate__(self) -> dict:  # a matcher stays in its process; the constraint travels

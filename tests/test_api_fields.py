@@ -20,7 +20,7 @@ PATH = {COMPLETIONS: "/v1/completions", CHAT: "/v1/chat/completions"}
 _CANDIDATES = {"boolean": (True, False), "integer": (7, 2), "number": (0.5, 1.5), "string": ("x", "y"),
                "object": ({"x": 1}, {"y": 2}), "array": ([1], [2])}
 # What an honoured field needs beside it to be valid.
-_WITH = {"stream_options": {"stream": True}, "top_logprobs": {"logprobs": True}}
+_WITH = {"stream_options": {"stream": True}, "top_logprobs": {"logprobs": True}, "tools": {"tool_choice": "required"}}
 
 
 def non_default(f: fields.FieldSpec) -> Any:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -48,17 +49,37 @@ class StepFailed(RuntimeError):
         self.request_ids = request_ids
 
 
+def _template_messages(messages: list[dict], template: Any) -> list[dict]:
+    """Messages for a chat template: one that knows nothing of tool calls gets each earlier
+    assistant call as its text (the JSON it was made of), so that turn is not lost."""
+    if isinstance(template, str) and "tool_calls" in template:
+        return messages
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in m["tool_calls"]]
+            m = {"role": m["role"], "content": (m.get("content") or "") + json.dumps(calls, ensure_ascii=False)}
+        elif "tool_call_id" in m:
+            m = {"role": m["role"], "content": m["content"]}
+        out.append(m)
+    return out
+
+
 def tokenize(tokenizer: Any | None, prompt: str | list[int] | None = None,
-             messages: list[dict] | None = None, add_generation_prompt: bool = True) -> list[int]:
-    """A prompt (text or token ids) or chat messages (through the chat template, opening the
-    assistant's turn unless not `add_generation_prompt`) as token ids.
+             messages: list[dict] | None = None, add_generation_prompt: bool = True,
+             tools: list[dict] | None = None) -> list[int]:
+    """A prompt (text or token ids) or chat messages (through the chat template, with `tools`
+    if given, opening the assistant's turn unless not `add_generation_prompt`) as token ids.
     Whatever the tokenizer or the template raises on an input is that input's fault: a
     RequestError naming the field (a 400), not an exception out of the server."""
     if messages is not None:
         if tokenizer is None:
             raise RequestError("messages", "this model has no tokenizer / chat template")
         try:
-            out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+            msgs = _template_messages(messages, getattr(tokenizer, "chat_template", None))
+            extra = {"tools": tools} if tools else {}
+            out = tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                                **extra)
         except Exception as e:  # noqa: BLE001 - e.g. a template that refuses this order of roles
             raise RequestError("messages", f"cannot be put through the chat template ({type(e).__name__})") from None
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
@@ -122,8 +143,9 @@ class LLMEngine:
         return engine
 
     # --- intake -------------------------------------------------------------------------
-    def tokenize(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None) -> list[int]:
-        return tokenize(self.tokenizer, prompt, messages)
+    def tokenize(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None,
+                 tools: list[dict] | None = None) -> list[int]:
+        return tokenize(self.tokenizer, prompt, messages, tools=tools)
 
     def prepare(self, spec: RequestSpec) -> RequestSpec:
         """Tokenize a request and check it against the model and the cache: the spec with its
@@ -132,7 +154,7 @@ class LLMEngine:
         only what does not change while the engine runs (tokenizer, context length, cache
         size), so any thread may call it: a server does it off the engine thread."""
         where = "messages" if spec.messages is not None else "prompt"
-        ids = self.tokenize(spec.prompt, spec.messages)
+        ids = self.tokenize(spec.prompt, spec.messages, spec.tools)
         if not ids:
             raise RequestError(where, "must not be empty")
         params = spec.params
@@ -141,7 +163,7 @@ class LLMEngine:
             params = dataclasses.replace(params, max_tokens=max(1, min(spec.auto_max_tokens, room)))
         self._check(ids, params.max_tokens, where, params.logit_bias)
         grammar = self.compile(spec.constraint) if spec.constraint is not None else None
-        return dataclasses.replace(spec, prompt=ids, messages=None, params=params, auto_max_tokens=None,
+        return dataclasses.replace(spec, prompt=ids, messages=None, tools=None, params=params, auto_max_tokens=None,
                                    grammar=grammar)
 
     def compile(self, constraint: Constraint):

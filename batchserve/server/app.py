@@ -189,7 +189,7 @@ class ServerState:
             self._raise_if_failed(out)
             return JSONResponse(completion_body(rid, int(time.time()), g.model, out, chat,
                                                 self.config.native_finish_reasons, self.engine.token_text,
-                                                prefixes=self._echoes(g)),
+                                                prefixes=self._echoes(g), tool_calling=g.tool_calling),
                                 headers={"X-Request-Id": rid})
         except ClientGone:
             return Response(status_code=499)  # nobody is listening; for the logs only
@@ -233,7 +233,7 @@ class ServerState:
             fail_all(outs)
             return JSONResponse(completion_body(rid, int(time.time()), g.model, list(outs), g.chat,
                                                 self.config.native_finish_reasons, self.engine.token_text, g.n,
-                                                self._echoes(g)),
+                                                self._echoes(g), g.tool_calling),
                                 headers={"X-Request-Id": rid})
         firsts = await self.until_disconnect(request, asyncio.gather(*(s.next() for s in streams)), ids)
         fail_all(firsts)
@@ -249,7 +249,8 @@ class ServerState:
                         firsts: list[RequestOutput], end: "_StreamEnd") -> AsyncIterator[bytes]:
         created, echoes = int(time.time()), self._echoes(g)
         writers = [ChunkWriter(rid, created, g.model, g.chat, g.include_usage, self.config.native_finish_reasons,
-                               self.engine.token_text, index=i, last=False, prefix=echoes[i] if echoes else "")
+                               self.engine.token_text, index=i, last=False, prefix=echoes[i] if echoes else "",
+                               tool_calling=g.tool_calling)
                    for i in range(len(streams))]
         finals: list[RequestOutput | None] = [None] * len(streams)
         pending: dict[asyncio.Future, int] = {}
@@ -358,7 +359,8 @@ class ServerState:
                    end: "_StreamEnd") -> AsyncIterator[bytes]:
         echo = self._echoes(g)
         writer = ChunkWriter(rid, int(time.time()), g.model, g.chat, g.include_usage,
-                             self.config.native_finish_reasons, self.engine.token_text, prefix=echo[0] if echo else "")
+                             self.config.native_finish_reasons, self.engine.token_text, prefix=echo[0] if echo else "",
+                             tool_calling=g.tool_calling)
         try:
             out = first
             yield writer.write(out)

@@ -20,6 +20,7 @@ from batchserve.request import (DEFAULT_PRIORITY, MAX_INT32, MAX_LOGPROBS, MAX_P
                                 RequestError, RequestSpec, SamplingParams)
 from batchserve.server import fields
 from batchserve.server.fields import FieldSpec, Status
+from batchserve.server.tools import ToolCalling, ToolError, parse_tools
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 # Which fields a body may hold, and which of them are accepted only at their defaults or not at
@@ -27,7 +28,7 @@ _ROLES = ("system", "developer", "user", "assistant", "tool")
 _FIELDS = {chat: fields.for_endpoint(chat) for chat in (False, True)}
 _NAMES = {chat: frozenset(table) for chat, table in _FIELDS.items()}
 _LIMITED = {chat: tuple(f for f in table.values() if f.status is not Status.HONOURED) for chat, table in _FIELDS.items()}
-_MESSAGE_FIELDS = frozenset({"role", "content", "name"})
+_MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
 _STREAM_OPTIONS = frozenset({"include_usage"})
 _RESPONSE_FORMAT = {"type", "json_schema"}
 _JSON_SCHEMA = frozenset({"name", "schema", "strict", "description"})
@@ -78,6 +79,7 @@ class GenerationRequest:
     include_usage: bool
     n: int = 1
     echo: bool = False
+    tool_calling: ToolCalling | None = None  # tool_choice calls a tool: the answer becomes tool calls
 
     @property
     def spec(self) -> RequestSpec:
@@ -239,7 +241,22 @@ def _messages(body: dict, lenient: bool) -> list[dict]:
             content = ""
         elif not isinstance(content, str):
             raise bad(f"{where}.content", f"must be a string or a list of text parts, got {_show(content)}")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        msg = {"role": "system" if role == "developer" else role, "content": content}
+        calls = m.get("tool_calls")
+        if calls is not None:
+            if role != "assistant" or not isinstance(calls, list) or not all(
+                    isinstance(c, dict) and isinstance(c.get("function"), dict)
+                    and isinstance(c["function"].get("name"), str) and isinstance(c["function"].get("arguments"), str)
+                    for c in calls):
+                raise bad(f"{where}.tool_calls", "only an assistant message has tool_calls: a list of "
+                          '{"id", "type": "function", "function": {"name", "arguments": a string}}')
+            msg["tool_calls"] = calls
+        tid = m.get("tool_call_id")
+        if tid is not None:
+            if role != "tool" or not isinstance(tid, str):
+                raise bad(f"{where}.tool_call_id", "only a tool message has a tool_call_id, a string")
+            msg["tool_call_id"] = tid
+        out.append(msg)
     return out
 
 
@@ -411,6 +428,18 @@ def parse_generation(body: dict[str, Any], chat: bool, default_max_tokens: int =
     if n * len(prompts) > MAX_CHOICES:
         raise bad("n", f"{len(prompts)} prompts times n = {n} asks for more than {MAX_CHOICES} choices")
     echo = bool(_bool(body, "echo")) if not chat else False
+    tools, calling = None, None
+    if chat:
+        try:
+            tools, calling = parse_tools(body)
+        except ToolError as e:
+            raise bad(e.param, e.message) from None
+    constraint = _constraint(body, lenient)
+    if calling is not None:
+        if constraint is not None:
+            raise bad(constraint.field, "cannot be combined with a tool_choice that calls a tool",
+                      code="conflicting_parameters")
+        constraint = calling.constraint
     if echo and logprobs is not None:
         raise bad("echo", "with logprobs needs the prompt's logprobs, which this server does not report yet")
     try:
@@ -424,13 +453,13 @@ def parse_generation(body: dict[str, Any], chat: bool, default_max_tokens: int =
         spec = RequestSpec(params, prompts[0], messages, priority=priority,
                            deadline_ms=body.get("deadline_ms"), deadline_kind=body.get("deadline_kind"),
                            auto_max_tokens=default_max_tokens if chat and max_tokens is None else None,
-                           tenant=body.get("user"), constraint=_constraint(body, lenient))
+                           tenant=body.get("user"), constraint=constraint, tools=tools)
     except RequestError as e:
         raise bad(e.param, e.message) from None
     specs = tuple(spec if i == j == 0 else dataclasses.replace(spec, prompt=p, params=_child(params, j))
                   for i, p in enumerate(prompts) for j in range(n))
     return GenerationRequest(chat=chat, model=model, specs=specs, stream=stream, include_usage=include_usage,
-                             n=n, echo=echo)
+                             n=n, echo=echo, tool_calling=calling)
 
 
 def _child(params: SamplingParams, j: int) -> SamplingParams:

@@ -10,6 +10,7 @@ from typing import Any, Callable
 from batchserve.core.batch import RequestOutput, TokenLogprob
 from batchserve.request import FinishReason
 from batchserve.server.protocol import APIError
+from batchserve.server.tools import ToolCalling, tool_message
 
 SSE_DONE = b"data: [DONE]\n\n"
 _R = FinishReason
@@ -97,17 +98,21 @@ def logprobs_body(entries: list[TokenLogprob] | None, chat: bool, text: TokenTex
 
 def completion_body(rid: str, created: int, model: str, out: RequestOutput | list[RequestOutput], chat: bool,
                     native_finish: bool = False, token_text: TokenText = str, n: int = 1,
-                    prefixes: list[str] | None = None) -> dict[str, Any]:
+                    prefixes: list[str] | None = None, tool_calling: ToolCalling | None = None) -> dict[str, Any]:
     """The non-streaming response for a finished output, or a request's finished choices in
     order (n per prompt); `native_finish`: see finish_fields; `token_text`: a token's text, for
-    logprobs; `prefixes`: text before each choice's (echo)."""
+    logprobs; `prefixes`: text before each choice's (echo); `tool_calling`: the answers are
+    tool calls."""
     outs = out if isinstance(out, list) else [out]
     choices = []
     for i, o in enumerate(outs):
         finish = finish_fields(o.finish_reason, native_finish)
         lp = logprobs_body(o.logprobs, chat, token_text)
         if chat:
-            choices.append({"index": i, "message": {"role": "assistant", "content": o.text}, "logprobs": lp, **finish})
+            message = {"role": "assistant", "content": o.text}
+            if tool_calling is not None:
+                message, finish["finish_reason"] = tool_message(tool_calling, o.text, finish["finish_reason"])
+            choices.append({"index": i, "message": message, "logprobs": lp, **finish})
         else:
             text = (prefixes[i] if prefixes else "") + o.text
             choices.append({"index": i, "text": text, "logprobs": lp, **finish})
@@ -126,10 +131,11 @@ class ChunkWriter:
 
     def __init__(self, rid: str, created: int, model: str, chat: bool, include_usage: bool,
                  native_finish: bool = False, token_text: TokenText = str, index: int = 0, last: bool = True,
-                 prefix: str = "") -> None:
+                 prefix: str = "", tool_calling: ToolCalling | None = None) -> None:
         self.rid, self.created, self.model, self.chat = rid, created, model, chat
         self.include_usage, self.native_finish, self.token_text = include_usage, native_finish, token_text
         self.index, self.last, self._prefix = index, last, prefix
+        self.tool_calling = tool_calling  # the answer is tool calls: sent whole, once complete
         self._started = False
         self._offset = 0  # completions' text_offset: characters of the tokens reported so far
         # A text delta is most of a stream's chunks, and only its text changes: the bytes around
@@ -163,6 +169,8 @@ class ChunkWriter:
 
     def _text(self, out: RequestOutput) -> bytes:
         """The chunk with this output's new text (and its tokens' logprobs), or nothing."""
+        if self.tool_calling is not None:
+            return b""  # the calls go out whole at the end (_tool_chunks)
         if out.new_logprobs:
             return self._chunk(self._choice(out.new_text, None, out.new_logprobs))
         return self._delta(out.new_text) if out.new_text else b""
@@ -184,7 +192,14 @@ class ChunkWriter:
             parts.append(self._text(out))
             parts.append(sse({**err.body(), "status_code": err.status}))
             return b"".join(parts) + SSE_DONE  # (the end of the whole stream, whatever `last`)
-        if self.chat:
+        if self.chat and self.tool_calling is not None:
+            message, reason = tool_message(self.tool_calling, out.text, finish_fields(out.finish_reason)["finish_reason"])
+            delta = ({"tool_calls": [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]}
+                     if "tool_calls" in message else {"content": message["content"]})
+            lp = logprobs_body(out.logprobs, True, self.token_text)
+            parts.append(self._chunk({"index": self.index, "delta": delta, "logprobs": lp, "finish_reason": None}))
+            parts.append(self._chunk({**self._choice(None, out.finish_reason), "finish_reason": reason}))
+        elif self.chat:
             parts.append(self._text(out))
             parts.append(self._chunk(self._choice(None, out.finish_reason)))
         else:

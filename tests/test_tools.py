@@ -1,0 +1,129 @@
+"""Function calling: tools with tool_choice "required" or a named function, answered through
+structured outputs, in OpenAI's message and stream shapes; "auto" refused with a reason; earlier
+calls in the history kept for templates that know nothing of them. Model-free (a real
+byte-level tokenizer; the fake model samples within the grammar), and one real-model call."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from fake_server import MODEL, byte_tokenizer, fake_engine, serve_app
+
+from batchserve.server.tools import parse_tools
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "the forecast",
+    "parameters": {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}, "days": {"type": "integer", "minimum": 0,
+                                                                                            "maximum": 9}},
+                   "required": ["unit", "days"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "weather in Paris?"}]
+
+
+async def _post(body: dict) -> tuple[int, dict | list]:
+    async with serve_app(fake_engine(tokenizer=byte_tokenizer())) as (client, _):
+        r = await client.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 100, "messages": ASK,
+                                                            **body})
+        if not body.get("stream"):
+            return r.status_code, r.json()
+        return r.status_code, [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+
+
+def _args_ok(call: dict) -> None:
+    args = json.loads(call["function"]["arguments"])
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    if call["function"]["name"] == "get_weather":
+        assert args["unit"] in ("c", "f") and 0 <= args["days"] <= 9 and set(args) == {"unit", "days"}
+    else:
+        assert call["function"]["name"] == "get_time" and args["zone"] in ("utc", "cet")
+
+
+def test_a_named_function_is_called_with_arguments_in_its_schema() -> None:
+    status, out = asyncio.run(_post({"tools": [WEATHER, TIME],
+                                     "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}))
+    assert status == 200, out
+    choice = out["choices"][0]
+    (call,) = choice["message"]["tool_calls"]
+    assert choice["message"]["content"] is None and choice["finish_reason"] == "stop"
+    assert call["function"]["name"] == "get_weather"
+    _args_ok(call)
+
+
+def test_required_makes_calls_and_finishes_with_tool_calls() -> None:
+    status, out = asyncio.run(_post({"tools": [WEATHER, TIME], "tool_choice": "required",
+                                     "parallel_tool_calls": False}))
+    assert status == 200, out
+    choice = out["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and len(choice["message"]["tool_calls"]) == 1
+    _args_ok(choice["message"]["tool_calls"][0])
+
+
+def test_required_allows_several_calls_unless_parallel_calls_are_off() -> None:
+    eng = fake_engine(tokenizer=byte_tokenizer())
+    two = '[{"name": "get_time", "arguments": {"zone": "utc"}}, {"name": "get_weather", "arguments": ' \
+          '{"unit": "c", "days": 3}}]'
+    for parallel, fits in ((True, True), (False, False)):
+        _, calling = parse_tools({"tools": [WEATHER, TIME], "tool_choice": "required",
+                                  "parallel_tool_calls": parallel})
+        g = eng.compile(calling.constraint)
+        assert all(g.accept(b) for b in two.encode()) == fits
+
+
+def test_a_streamed_call_arrives_whole_before_the_finish() -> None:
+    status, chunks = asyncio.run(_post({"tools": [WEATHER], "stream": True,
+                                        "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}))
+    assert status == 200
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    calls = [d["tool_calls"] for d in deltas if "tool_calls" in d]
+    assert len(calls) == 1 and calls[0][0]["index"] == 0
+    _args_ok(calls[0][0])
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert not any(d.get("content") for d in deltas)  # no arguments leak out as text
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": [WEATHER]}, "tool_choice"),  # auto, the default
+    ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}], "tool_choice": "required"},
+     "tools[0].function.name"),
+    ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools[1].function.name"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+])
+def test_bad_tool_requests_are_400s_naming_the_field(body: dict, param: str) -> None:
+    status, out = asyncio.run(_post(body))
+    assert status == 400 and out["error"]["param"] == param, out
+
+
+def test_none_answers_in_text_and_earlier_calls_stay_in_the_history() -> None:
+    history = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"unit": "c"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12 degrees"}]
+    status, out = asyncio.run(_post({"tools": [WEATHER], "tool_choice": "none", "messages": history,
+                                     "max_tokens": 3}))
+    assert status == 200 and out["choices"][0]["message"]["content"] and "tool_calls" not in out["choices"][0]["message"]
+    # the call's JSON is in the prompt the template was given: more prompt tokens than without it
+    assert out["usage"]["prompt_tokens"] > len('<user>weather in Paris?<assistant><tool>12 degrees<assistant>')
+    status, out = asyncio.run(_post({"messages": [{"role": "user", "content": "x", "tool_call_id": "1"}]}))
+    assert status == 400 and out["error"]["param"] == "messages[0].tool_call_id"
+
+
+@pytest.mark.model
+def test_the_real_model_calls_a_named_function(llm) -> None:
+    from batchserve.request import RequestSpec, SamplingParams
+
+    tools, calling = parse_tools({"tools": [WEATHER], "tool_choice": {"type": "function",
+                                                                      "function": {"name": "get_weather"}}})
+    eng = llm.engine
+    req = eng.add(RequestSpec(SamplingParams(max_tokens=40, temperature=0.0), messages=ASK, tools=tools,
+                              constraint=calling.constraint))
+    outs = []
+    while eng.has_unfinished:
+        outs += [o for o in eng.step().outputs if o.request_id == req.request_id and o.finished]
+    args = json.loads(outs[0].text)
+    assert outs[0].finish_reason == "stop" and args["unit"] in ("c", "f") and 0 <= args["days"] <= 9
