@@ -301,6 +301,7 @@ class Request:
     max_tokens: int = 0  # effective cap; a soft deadline may lower it
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None  # when its newest token came (inter-token latency)
     finish_time: float | None = None
     num_preemptions: int = 0
     num_priority_preemptions: int = 0  # of those, to make room for a more important request

@@ -31,7 +31,7 @@ def _timeline() -> list[dict]:
     for k in range(5):
         pts.append({"t": 0.5 * k, "values": {
             "batchserve:requests_waiting{level=high}": float(k), "batchserve:requests_running": 2.0,
-            "batchserve:kv_cache_usage": 0.1 * k, "batchserve:scheduling_window_ms": 50.0,
+            "batchserve:kv_cache_usage": 0.1 * k, "batchserve:scheduling_window_seconds": 0.05,
             "batchserve:batch_size_sum": 6.0 * k, "batchserve:batch_size_count": 2.0 * k,
             "batchserve:requests_total{finish_reason=length}": float(k)}})
     return pts
@@ -42,7 +42,7 @@ def test_timeline_series_panels():
     assert list(s["queue depth"]) == ["batchserve:requests_waiting{level=high}"]
     assert s["queue depth"]["batchserve:requests_waiting{level=high}"][1] == [0, 1, 2, 3, 4]
     assert s["KV usage"]["batchserve:kv_cache_usage"][1][-1] == 0.4
-    assert s["window (ms)"]["batchserve:scheduling_window_ms"][0] == [0, 0.5, 1.0, 1.5, 2.0]
+    assert s["window (s)"]["batchserve:scheduling_window_seconds"][0] == [0, 0.5, 1.0, 1.5, 2.0]
     # the batch-size histogram's deltas: 6 requests over 2 steps in each interval -> 3 per step
     assert s["batch size"]["batchserve:batch_size (mean per step)"] == ([0, 0.5, 1.0, 1.5], [3.0, 3.0, 3.0, 3.0])
     assert "batchserve:requests_running" in s["batch size"]

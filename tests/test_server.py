@@ -213,8 +213,10 @@ def scrape(server) -> dict[tuple[str, tuple], float]:
     """/metrics parsed by prometheus-client's parser: (sample name, sorted labels) -> value."""
     r = httpx.get(server.url + "/metrics")
     assert r.status_code == 200
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(r.text) for s in fam.samples}
+    samples = [s for fam in text_string_to_metric_families(r.text) for s in fam.samples]
+    assert all(s.labels.get("model_name") == MODEL for s in samples if s.name.startswith("batchserve:"))
+    return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+            for s in samples}
 
 
 def test_metrics_show_what_the_test_did(server) -> None:
@@ -236,8 +238,13 @@ def test_metrics_show_what_the_test_did(server) -> None:
     assert delta("batchserve:generation_tokens_total") == 10
     assert delta("batchserve:prompt_tokens_total") == 2 * n_prompt
     for h in ("e2e_request_latency_seconds", "time_to_first_token_seconds", "request_queue_time_seconds",
-              "time_per_output_token_seconds"):
+              "time_per_output_token_seconds", "request_prefill_time_seconds", "request_decode_time_seconds"):
         assert delta(f"batchserve:{h}_count") == 2, h
+    assert delta("batchserve:inter_token_latency_seconds_count") == 2 * 4  # a gap per token after the first
+    assert 0 < delta("batchserve:inter_token_latency_seconds_sum") < delta("batchserve:e2e_request_latency_seconds_sum")
+    caching = server.state.engine.engine.kv.prefix_caching
+    assert delta("batchserve:prefix_cache_queries_total") == (2 * n_prompt if caching else 0)
+    assert 0 <= delta("batchserve:prefix_cache_hits_total") <= (n_prompt if caching else 0)
     assert delta("batchserve:batch_size_count") >= 5  # at least one step per token
     assert delta("batchserve:http_errors_total", status="400") == 1
     assert after[("batchserve:kv_cache_usage", ())] == 0.0

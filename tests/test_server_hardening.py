@@ -164,7 +164,7 @@ def test_metrics_need_the_key_when_one_is_set() -> None:
             r = await client.get("/metrics")
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
             r = await client.get("/metrics", headers={"Authorization": "Bearer k"})
-            assert r.status_code == 200 and "batchserve:engine_up 1.0" in r.text
+            assert r.status_code == 200 and 'batchserve:engine_up{model_name="fake"} 1.0' in r.text
             assert (await client.get("/health")).status_code == 200  # probes need no key
 
     run(scenario())

@@ -18,7 +18,7 @@ from batchserve.bench.metrics import RequestRecord
 TIMELINE_PANELS: dict[str, tuple[str, ...]] = {
     "queue depth": ("queue_depth", "queue_len", "num_requests_waiting", "waiting"),
     "batch size": ("batch_size", "max_batch", "num_requests_running", "running"),
-    "window (ms)": ("window",),
+    "window (s)": ("window",),
     "KV usage": ("kv_cache_usage", "kv_usage", "cache_usage", "kv_util"),
 }
 

@@ -91,12 +91,15 @@ class StepOutput:
 
 @dataclass(frozen=True)
 class StepRecord:
-    """What one model step ran: its size and the executor's time for it."""
+    """What one model step ran: its size and the executor's time for it; `token_gaps`, for
+    each token it gave a request that already had one, the time since that request's previous
+    token (inter-token latency, a preemption's pause included)."""
 
     num_seqs: int
     num_tokens: int
     num_sampled: int
     step_time: float
+    token_gaps: list[float] = field(default_factory=list, compare=False)
 
 
 @dataclass

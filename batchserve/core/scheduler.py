@@ -58,6 +58,7 @@ class Scheduler:
         self.parked: dict[str, Request] = {}  # preempted, waiting, still holding their KV blocks (read-only)
         self.num_preemptions = 0
         self.num_steps = 0
+        self.token_gaps: list[float] = []  # the last update's inter-token latencies, one per token
 
     # --- intake -----------------------------------------------------------------------
     def add(self, req: Request, now: float) -> None:
@@ -192,6 +193,7 @@ class Scheduler:
             self.deadlines.observe_step(now - self._scheduled_at, now)
             self._scheduled_at = None
         changed: list[Request] = []
+        gaps = self.token_gaps = []  # this step's inter-token latencies (StepRecord.token_gaps)
         requests, sampled = self.requests, output.sampled
         commit = self.kv.commit if self.kv.prefix_caching else None  # a no-op without prefix caching
         after_step = self.deadlines.after_step
@@ -220,8 +222,13 @@ class Scheduler:
             out_ids.append(tok)
             if req.output_logprobs is not None:
                 req.output_logprobs.append(output.logprobs[rid])
-            if req.first_token_time is None:
-                req.first_token_time = now
+            prev = req.last_token_time
+            if prev is None:
+                if req.first_token_time is None:
+                    req.first_token_time = now
+            else:
+                gaps.append(now - prev)
+            req.last_token_time = now
             changed.append(req)
             p, g = req.params, req.grammar
             if g is not None and not g.accept(tok):  # only if the sampler ignored the grammar's mask

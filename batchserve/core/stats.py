@@ -226,6 +226,8 @@ class EngineSnapshot:
     kv_blocks: int = 0
     preemptions: int = 0
     prefix_hit_rate: float = 0.0
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
+    prefix_hits: int = 0  # of those, found cached
     window_ms: float | None = None
     max_batch: int | None = None
     queue: QueueStats | None = None  # the admission queue's counters, by level

@@ -226,6 +226,7 @@ class LLMEngine:
         req = self._new_request(prompt_ids, params, at if arrival is None else arrival, request_id, priority,
                                 deadline_ms, deadline_kind)
         req.output_token_ids.append(first_token)
+        req.last_token_time = at if first_token_time is None else first_token_time
         if req.output_logprobs is not None:
             req.output_logprobs.append(first_logprob or TokenLogprob(first_token, 0.0))
         req.first_token_time = at if first_token_time is None else first_token_time
@@ -327,7 +328,8 @@ class LLMEngine:
         return EngineSnapshot(
             waiting=sched.waiting.lengths_by_level(), running=len(sched.running), kv_usage=kv.usage,
             kv_free_blocks=kv.num_free_blocks, kv_blocks=kv.num_blocks, preemptions=sched.num_preemptions,
-            prefix_hit_rate=kv.prefix_hit_rate, window_ms=policy.window_ms, max_batch=policy.max_batch,
+            prefix_hit_rate=kv.prefix_hit_rate, prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits,
+            window_ms=policy.window_ms, max_batch=policy.max_batch,
             queue=sched.waiting.stats(self.clock.now()))
 
     def queue_stats(self, now: float | None = None) -> QueueStats:
@@ -379,7 +381,8 @@ class LLMEngine:
             raise StepFailed([s.request_id for s in batch.seqs], e) from e
         if batch.empty:  # its one request failed
             return EngineStep(outs)
-        return EngineStep(outs, StepRecord(batch.num_seqs, batch.num_tokens, len(output.sampled), output.step_time))
+        return EngineStep(outs, StepRecord(batch.num_seqs, batch.num_tokens, len(output.sampled), output.step_time,
+                                           self.scheduler.token_gaps))
 
     def _execute_isolating(self, batch: ScheduledBatch) -> tuple[StepOutput, dict[str, BaseException]]:
         """Run the batch. If the executor raises, bisect: run each half on its own, split a

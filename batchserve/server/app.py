@@ -78,7 +78,7 @@ class ServerState:
     def __init__(self, engine: EngineClient, config: ServerConfig, model_name: str) -> None:
         self.config = config
         self.model_name = model_name
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(model_name)
         self.engine = engine
         engine.attach(self.metrics.observe_step, self.metrics.observe_finish)
         engine.on_dead = self._engine_died

@@ -1,5 +1,6 @@
-"""Prometheus metrics, all named `batchserve:*`, in a registry of their own per app (so tests
-can build several apps in one process).
+"""Prometheus metrics, all named `batchserve:*` and labelled with the served `model_name` (as
+vLLM's are), in a registry of their own per app (so tests can build several apps in one
+process). Times are in seconds, token counts are counters (rates come from the scraper).
 
 Counters and histograms are fed from the engine thread (`observe_step`, `observe_finish`;
 prometheus-client metrics are thread-safe). Gauges of engine state (queue lengths, running,
@@ -9,10 +10,12 @@ on the engine thread between steps, so a scrape never reads state while it is be
 from __future__ import annotations
 
 import logging
-from typing import Iterator
+import threading
+from typing import Iterable, Iterator
 
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from batchserve.core.batch import RequestOutput, StepRecord
 from batchserve.core.stats import EngineSnapshot
@@ -63,11 +66,15 @@ class _SnapshotCollector:
                                 value=s.kv_free_blocks)
         yield GaugeMetricFamily("batchserve:kv_cache_blocks", "KV blocks in the pool", value=s.kv_blocks)
         yield CounterMetricFamily("batchserve:preemptions", "Requests preempted (by recompute)", value=s.preemptions)
-        yield GaugeMetricFamily("batchserve:prefix_cache_hit_rate", "Prompt tokens found in the prefix cache (0-1)",
-                                value=s.prefix_hit_rate)
+        yield CounterMetricFamily("batchserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                  value=s.prefix_queries)
+        yield CounterMetricFamily("batchserve:prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                  value=s.prefix_hits)
+        yield GaugeMetricFamily("batchserve:prefix_cache_hit_rate", "Prompt tokens found in the prefix cache since "
+                                "start (0-1; the counters give it over any interval)", value=s.prefix_hit_rate)
         if s.window_ms is not None:
-            yield GaugeMetricFamily("batchserve:scheduling_window_ms", "The policy's current collection window",
-                                    value=s.window_ms)
+            yield GaugeMetricFamily("batchserve:scheduling_window_seconds", "The policy's current collection window",
+                                    value=s.window_ms / 1000)
         if s.max_batch is not None:
             yield GaugeMetricFamily("batchserve:max_batch", "The policy's current batch cap", value=s.max_batch)
         if s.queue is not None:
@@ -103,17 +110,64 @@ def _level_counters(q) -> Iterator[Metric]:
         yield toks
 
 
+class _TokenHistogram:
+    """A histogram observed many values at a time (numpy bucket counts): the inter-token
+    latency gets one value per token of every step, too many for one observe() each."""
+
+    def __init__(self, name: str, doc: str, buckets: tuple[float, ...]) -> None:
+        self.name, self.doc, self.bounds = name, doc, np.asarray(buckets)
+        self.counts = np.zeros(len(buckets) + 1, dtype=np.int64)
+        self.total = 0.0
+        self._lock = threading.Lock()
+
+    def observe_many(self, values: list[float]) -> None:
+        if not values:
+            return
+        v = np.asarray(values)
+        idx = np.bincount(np.searchsorted(self.bounds, v, side="left"), minlength=len(self.counts))
+        with self._lock:
+            self.counts += idx
+            self.total += float(v.sum())
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            cum, total = np.cumsum(self.counts), self.total
+        buckets = [(repr(float(b)), int(c)) for b, c in zip(self.bounds, cum[:-1])] + [("+Inf", int(cum[-1]))]
+        yield HistogramMetricFamily(self.name, self.doc, buckets=buckets, sum_value=total)
+
+
+class _Labelled:
+    """Every sample of `registry`, with model_name=`model` added to its labels."""
+
+    def __init__(self, registry: CollectorRegistry, model: str) -> None:
+        self.registry, self.model = registry, model
+
+    def collect(self) -> Iterable[Metric]:
+        for fam in self.registry.collect():
+            fam.samples = [s._replace(labels={"model_name": self.model, **s.labels}) for s in fam.samples]
+            yield fam
+
+
 class ServerMetrics:
     """Every metric of one server, and the per-request log line."""
 
-    def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
+    def __init__(self, model_name: str = "") -> None:
+        r = self._inner = CollectorRegistry()
+        self.registry = CollectorRegistry()
+        self.registry.register(_Labelled(r, model_name))
         self.queue_time = Histogram("batchserve:request_queue_time_seconds", "Arrival to first scheduled",
                                     buckets=_LATENCY, registry=r)
         self.ttft = Histogram("batchserve:time_to_first_token_seconds", "Arrival to first token",
                               buckets=_LATENCY, registry=r)
-        self.tpot = Histogram("batchserve:time_per_output_token_seconds", "Mean gap between output tokens",
-                              buckets=_TPOT, registry=r)
+        self.tpot = Histogram("batchserve:time_per_output_token_seconds", "Mean gap between output tokens, "
+                              "per answered request", buckets=_TPOT, registry=r)
+        self.itl = _TokenHistogram("batchserve:inter_token_latency_seconds", "Time from a request's token to its "
+                                   "next, per token", _TPOT)
+        r.register(self.itl)
+        self.prefill_time = Histogram("batchserve:request_prefill_time_seconds", "First scheduled to first token",
+                                      buckets=_LATENCY, registry=r)
+        self.decode_time = Histogram("batchserve:request_decode_time_seconds", "First token to last (answered "
+                                     "requests)", buckets=_LATENCY, registry=r)
         self.e2e = Histogram("batchserve:e2e_request_latency_seconds", "Arrival to last token (answered requests)",
                              buckets=_LATENCY, registry=r)
         self.batch_size = Histogram("batchserve:batch_size", "Requests per model step", buckets=_BATCH, registry=r)
@@ -142,6 +196,7 @@ class ServerMetrics:
         self.batch_tokens.observe(rec.num_tokens)
         self.step_time.observe(rec.step_time)
         self.generation_tokens.inc(rec.num_sampled)
+        self.itl.observe_many(rec.token_gaps)
 
     def observe_finish(self, out: RequestOutput) -> None:
         reason = out.finish_reason or "unknown"
@@ -162,9 +217,13 @@ class ServerMetrics:
             self.queue_time.observe(queue)
         if ttft is not None:
             self.ttft.observe(ttft)
+            if queue is not None:
+                self.prefill_time.observe(ttft - queue)
         n = len(out.token_ids)
         if reason in _ANSWERED and e2e is not None:
             self.e2e.observe(e2e)
+            if out.first_token_time is not None:
+                self.decode_time.observe(out.finish_time - out.first_token_time)
             if n > 1 and out.first_token_time is not None:
                 self.tpot.observe((out.finish_time - out.first_token_time) / (n - 1))
         log.info("request %s level=%s priority=%d prompt_tokens=%d completion_tokens=%d queue_ms=%s ttft_ms=%s "

@@ -99,7 +99,7 @@ class Simulator:
         return {"t": t, "values": {"batchserve:requests_waiting": float(len(sched.waiting)),
                                    "batchserve:requests_running": float(len(sched.running)),
                                    "batchserve:kv_cache_usage": self.engine.kv.usage,
-                                   "batchserve:scheduling_window_ms": float(pol.window_ms),
+                                   "batchserve:scheduling_window_seconds": float(pol.window_ms) / 1000,
                                    "batchserve:max_batch": float(pol.max_batch)}}
 
     def _engine_stats(self) -> dict[str, Any]:
