@@ -79,7 +79,9 @@ class SamplingParams:
     `presence_penalty` · [count > 0] over the output is subtracted; after temperature, `min_p`
     drops tokens less likely than min_p times the most likely. `logprobs` (None: off) asks for
     each sampled token's log-probability and that many of the most likely tokens beside it
-    (0 to MAX_LOGPROBS), from the model's logits before any of this. `adjusts_logits` and `penalized`
+    (0 to MAX_LOGPROBS), from the model's logits before any of this; `prompt_logprobs` the same for
+    each prompt token after the first (scoring: such a request skips the prefix cache, whose
+    positions would go uncomputed). `adjusts_logits` and `penalized`
     (needs the token history) are derived once, so that the sampler's fast path reads a flag."""
 
     max_tokens: int = 16
@@ -97,6 +99,7 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     adjusts_logits: bool = field(default=False, init=False, repr=False, compare=False)
     penalized: bool = field(default=False, init=False, repr=False, compare=False)
 
@@ -152,8 +155,10 @@ class SamplingParams:
                 and _is_num(e[1]) and -100 <= e[1] <= 100 for e in self.logit_bias):
             raise RequestError("logit_bias", f"must map up to {MAX_LOGIT_BIAS} token ids in [0, {MAX_INT32}] to "
                                "numbers in [-100, 100]")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise RequestError("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                raise RequestError(name, f"must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
 
     @property
     def greedy(self) -> bool:
@@ -313,6 +318,8 @@ class Request:
     tenant: str | None = None  # who sent it: shares of a level are fair between tenants
     grammar: Any = None  # structured outputs: the matcher its tokens must pass (engine/structured.py)
     output_logprobs: list | None = None  # a TokenLogprob per output token, when params.logprobs is set
+    # when params.prompt_logprobs is set: a TokenLogprob per prompt position (None for the first)
+    prompt_logprobs: list | None = None
     # the scheduler's ScheduledSeq for this request's decode steps, updated in place each step
     # rather than built anew (StepBuilder.running; a batch is valid until the next schedule)
     decode_seq: object = field(default=None, init=False, repr=False, compare=False)
@@ -324,6 +331,8 @@ class Request:
             self.max_tokens = self.params.max_tokens
         if self.params.logprobs is not None and self.output_logprobs is None:
             self.output_logprobs = []
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
 
     # --- derived counters -------------------------------------------------------------
     @property

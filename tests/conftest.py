@@ -31,7 +31,9 @@ class FakeExecutor:
         sampled = {s.request_id: _token(s) for s in batch.seqs if s.sample}
         lp = {s.request_id: _logprob(sampled[s.request_id], s.params.logprobs) for s in batch.seqs
               if s.sample and s.params.logprobs is not None}
-        return StepOutput(sampled, self.step_time, lp or None)
+        scores = {s.request_id: [_logprob(t, s.params.prompt_logprobs) for t in s.prompt_targets]
+                  for s in batch.seqs if s.prompt_targets}
+        return StepOutput(sampled, self.step_time, lp or None, scores or None)
 
 
 def _logprob(tok: int, n: int) -> TokenLogprob:

@@ -19,7 +19,7 @@ HALF = -math.log(2)
 async def _post(path: str, body: dict) -> tuple[int, dict | list]:
     async with serve_app(fake_engine(tokenizer=byte_tokenizer())) as (client, _):
         r = await client.post(path, json={"model": MODEL, "max_tokens": 5, **body})
-        if not body.get("stream"):
+        if not body.get("stream") or r.status_code != 200:
             return r.status_code, r.json()
         return r.status_code, [json.loads(line[6:]) for line in r.text.splitlines()
                                if line.startswith("data: {")]
@@ -110,3 +110,59 @@ def test_the_real_model_logprobs_match_its_greedy_choice(llm) -> None:
     for e in out.logprobs:  # greedy: the chosen token is the most likely one, and probabilities add up
         assert e.top[0][0] == e.token_id and e.logprob == pytest.approx(e.top[0][1])
         assert e.logprob <= 0 and sum(math.exp(v) for _, v in e.top) <= 1 + 1e-5
+
+
+def test_echo_with_logprobs_scores_the_prompt_too() -> None:
+    """What lm-evaluation-harness's loglikelihood asks: echo, logprobs, one token."""
+    status, out = asyncio.run(_post("/v1/completions", {"prompt": "hello", "logprobs": 1, "echo": True,
+                                                        "max_tokens": 1, "temperature": 0}))
+    assert status == 200, out
+    choice = out["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["text"].startswith("hello") and "".join(lp["tokens"]) == choice["text"]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx([HALF] * 5)  # 4 prompt tokens after the first, 1 answer
+    assert lp["text_offset"] == [0, 1, 2, 3, 4, 5]
+    assert choice["prompt_logprobs"][0] is None and len(choice["prompt_logprobs"]) == 5
+    status, out = asyncio.run(_post("/v1/completions", {"prompt": "hi", "logprobs": 1, "echo": True,
+                                                        "stream": True}))
+    assert status == 400 and out["error"]["param"] == "echo"
+
+
+def test_prompt_logprobs_cover_every_chunk_of_a_long_prompt_once() -> None:
+    """A prompt prefilled in several chunks (and past the prefix cache) is scored at every
+    position, each once, the targets being the prompt's own next tokens."""
+    from batchserve.engine.clock import SimClock
+    from batchserve.request import RequestSpec, SamplingParams
+
+    eng = fake_engine(tokenizer=byte_tokenizer(), policy="chunked", max_num_batched_tokens=16)
+    eng.clock = SimClock()
+    ids = list(range(3, 60))
+    req = eng.add(RequestSpec(SamplingParams(max_tokens=2, prompt_logprobs=2), ids), now=0.0)
+    t, outs = 0.0, []
+    while eng.has_unfinished:
+        outs += [o for o in eng.step(now=t).outputs if o.finished]
+        t += 0.01
+    (out,) = outs
+    assert out.prompt_logprobs[0] is None
+    assert [e.token_id for e in out.prompt_logprobs[1:]] == ids[1:] and all(len(e.top) == 2 for e in out.prompt_logprobs[1:])
+    assert req.prompt_logprobs is not None
+
+
+@pytest.mark.model
+def test_the_real_models_prompt_logprobs_match_its_scoring_path(llm) -> None:
+    """Prompt logprobs from the serving loop (chunked, batched beside another request) equal
+    the runner's own scoring pass over the same text."""
+    from batchserve.request import RequestSpec, SamplingParams
+
+    text = "The quick brown fox jumps over the lazy dog, and the dog does not mind at all."
+    want = llm.prompt_logprobs(text)
+    eng = llm.engine
+    other = eng.add(RequestSpec(SamplingParams(max_tokens=6, temperature=0.0), "Once upon a time"))
+    req = eng.add(RequestSpec(SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0), text))
+    outs = {}
+    while eng.has_unfinished:
+        outs.update({o.request_id: o for o in eng.step().outputs if o.finished})
+    got = [e.logprob for e in outs[req.request_id].prompt_logprobs[1:]]
+    assert outs[other.request_id].prompt_logprobs is None
+    assert got == pytest.approx(list(want), abs=2e-3)

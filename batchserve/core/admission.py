@@ -32,8 +32,11 @@ _MIN_CHUNK = 32  # prompt tokens a request may always add beside running equals 
 def build_seq(req: Request, n: int, block_table: list[int]) -> ScheduledSeq:
     """The request's next `n` tokens, from its computed count on."""
     start = req.num_computed_tokens
-    return ScheduledSeq(req.request_id, req.tokens_slice(start, start + n), start, block_table,
-                        start + n == req.num_tokens, req.params, req.num_output_tokens, history(req))
+    seq = ScheduledSeq(req.request_id, req.tokens_slice(start, start + n), start, block_table,
+                       start + n == req.num_tokens, req.params, req.num_output_tokens, history(req))
+    if req.prompt_logprobs is not None and start + 1 < len(req.prompt_token_ids):
+        seq.prompt_targets = req.prompt_token_ids[start + 1:start + n + 1]
+    return seq
 
 
 def history(req: Request) -> tuple[list[int], list[int]] | None:
@@ -142,8 +145,11 @@ class StepBuilder:
                     seq.sample, seq.output_index = end == total, len(out_ids)
                 out.append(seq)
             else:
-                out.append(ScheduledSeq(rid, req.tokens_slice(start, end), start, table, end == total, req.params,
-                                        len(out_ids), history(req)))
+                seq = ScheduledSeq(rid, req.tokens_slice(start, end), start, table, end == total, req.params,
+                                   len(out_ids), history(req))
+                if req.prompt_logprobs is not None and start + 1 < p:
+                    seq.prompt_targets = prompt[start + 1:end + 1]
+                out.append(seq)
             budget -= n
         self.spent += self.budget - budget
         self.budget = budget

@@ -19,6 +19,9 @@ class ScheduledSeq:
     them); None otherwise, so that a batch crossing a process boundary carries no more.
     `allowed`: for a constrained request (structured outputs) that samples, the bitmask of the
     tokens it may sample (int32 words, bit t % 32 of word t // 32); None: any token.
+    `prompt_targets`: for a request that asks for prompt logprobs, the prompt tokens that follow
+    these positions (position start_pos + i predicts prompt_targets[i]; shorter than the chunk
+    where the prompt ends in it); the executor reports their logprobs.
     """
 
     request_id: str
@@ -30,6 +33,7 @@ class ScheduledSeq:
     output_index: int
     history: tuple[list[int], list[int]] | None = None
     allowed: Any = None
+    prompt_targets: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -87,6 +91,8 @@ class StepOutput:
     sampled: dict[str, int]
     step_time: float = 0.0
     logprobs: dict[str, TokenLogprob] | None = None
+    # per seq with prompt_targets: a TokenLogprob for each target, in order
+    prompt_logprobs: dict[str, list[TokenLogprob]] | None = None
 
 
 @dataclass(frozen=True)
@@ -127,6 +133,7 @@ class RequestOutput:
     # for a request that asked for logprobs: a TokenLogprob per token of token_ids / new_token_ids
     logprobs: list[TokenLogprob] | None = None
     new_logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # once finished, when asked for
 
 
 _OUTPUT_FIELDS = tuple(f.name for f in fields(RequestOutput))
@@ -156,6 +163,7 @@ class RunningOutput(RequestOutput):
     token_ids = property(lambda self: self._req.output_token_ids)
     new_token_ids = property(lambda self: self._req.output_token_ids[self._n - 1:self._n])
     logprobs = property(lambda self: self._req.output_logprobs)
+    prompt_logprobs = None
     new_logprobs = property(lambda self: None if self._req.output_logprobs is None
                             else self._req.output_logprobs[self._n - 1:self._n])
     arrival_time = property(lambda self: self._req.arrival_time)

@@ -212,6 +212,9 @@ class Scheduler:
                 if miss is not None:  # a result past a hard deadline is a failure
                     self.apply(miss, now)
                     continue
+            if seq.prompt_targets:  # a prompt chunk's logprobs, by position (a recompute writes them again)
+                req.prompt_logprobs[seq.start_pos + 1:seq.start_pos + 1 + len(seq.prompt_targets)] = \
+                    output.prompt_logprobs[rid]
             req.num_computed_tokens += n
             if commit is not None:
                 commit(req)
@@ -370,7 +373,8 @@ class Scheduler:
         (after any cached prefix). None, with nothing changed, if its blocks don't fit."""
         fresh = not self.kv.has(req.request_id)  # else preempted with its blocks kept: it resumes
         if fresh:
-            req.num_computed_tokens = self.kv.match_prefix(req)
+            # (a request scoring its prompt computes every position: no cached prefix)
+            req.num_computed_tokens = self.kv.match_prefix(req) if req.prompt_logprobs is None else 0
             n = min(n, req.num_tokens - req.num_computed_tokens)
         if not self.kv.allocate(req.request_id, req.num_computed_tokens + n, req.max_num_tokens):
             if fresh:

@@ -400,6 +400,7 @@ class LLMEngine:
         self.num_failed_steps += 1
         sampled: dict[str, int] = {}
         logprobs: dict = {}
+        scores: dict = {}
         culprits: dict[str, BaseException] = {}
         spent = [0.0]
 
@@ -419,13 +420,14 @@ class LLMEngine:
                 else:
                     sampled.update(out.sampled)
                     logprobs.update(out.logprobs or {})
+                    scores.update(out.prompt_logprobs or {})
                     spent[0] += out.step_time
 
         bisect(list(batch.seqs), error)
         if not culprits:
             log.warning("a model step failed (%s: %s) but each part of it ran on its own", type(error).__name__, error)
         self.num_isolated_requests += len(culprits)
-        return StepOutput(sampled, spent[0], logprobs or None), culprits
+        return StepOutput(sampled, spent[0], logprobs or None, scores or None), culprits
 
     def _outputs(self, changed: list[Request], end: float) -> list[RequestOutput]:
         """The step's outputs: one per running request that got a token, then the finished
@@ -500,4 +502,5 @@ class LLMEngine:
             first_token_time=req.first_token_time,
             finish_time=req.finish_time, priority=req.priority, num_preemptions=req.num_preemptions,
             logprobs=None if (lp := req.output_logprobs) is None else (list(lp) if done else lp),
-            new_logprobs=None if lp is None else (lp[-n_new:] if n_new else []))
+            new_logprobs=None if lp is None else (lp[-n_new:] if n_new else []),
+            prompt_logprobs=list(req.prompt_logprobs) if done and req.prompt_logprobs is not None else None)

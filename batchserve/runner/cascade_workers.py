@@ -131,17 +131,19 @@ class CascadeWorkersExecutor:
                 self._conns[w].send(("exec", ScheduledBatch(parts[w])))
         sampled: dict[str, int] = {}
         logprobs: dict = {}
+        scores: dict = {}
         for w in (PREFILL, DECODE):
             if parts[w]:
                 out = self._conns[w].recv()
                 sampled.update(out.sampled)
                 logprobs.update(out.logprobs or {})
+                scores.update(out.prompt_logprobs or {})
                 self.steps[w] += 1
                 for s in parts[w]:  # the blocks this step wrote now live in worker w
                     first, last = s.start_pos // self.block_size, (s.start_pos + s.num_tokens - 1) // self.block_size
                     for b in s.block_table[first:last + 1]:
                         self._owner[b] = w
-        return StepOutput(sampled, time.perf_counter() - t0, logprobs or None)
+        return StepOutput(sampled, time.perf_counter() - t0, logprobs or None, scores or None)
 
     def _handoff(self, to: int, seqs: list) -> None:
         """Copy every block these sequences read whose latest KV is in the other worker."""

@@ -9,7 +9,7 @@ import time
 import torch
 
 from batchserve.config import CacheConfig, ModelConfig, kv_cache_dtype_name
-from batchserve.core.batch import ScheduledBatch, StepOutput
+from batchserve.core.batch import ScheduledBatch, ScheduledSeq, StepOutput
 from batchserve.runner.attention import AttnMeta, gather_rows, scatter_rows, slot_rows, to_cache_dtype
 from batchserve.runner.kernels import build_all, fused_ops_ext, paged_attention_ext
 from batchserve.runner.loader import LoadedModel
@@ -147,12 +147,17 @@ class ModelRunner:
     def max_model_len(self) -> int:
         return self.cfg.max_position_embeddings
 
-    def compute_logits(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Run the forward pass; return float32 logits [S, V] for the seqs with sample=True."""
+    def compute_logits(self, batch: ScheduledBatch, scores: dict | None = None) -> torch.Tensor:
+        """Run the forward pass; return float32 logits [S, V] for the seqs with sample=True.
+        `scores`, if given, receives for each seq with prompt_targets the TokenLogprob of each
+        target (the prompt logprobs)."""
         ids: list[int] = []
         pos: list[int] = []
         sample_rows: list[int] = []
+        spans: list[tuple[ScheduledSeq, int]] = []
         for s in batch.seqs:
+            if s.prompt_targets:
+                spans.append((s, len(ids)))
             ids.extend(s.token_ids)
             pos.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
             if s.sample:
@@ -163,6 +168,11 @@ class ModelRunner:
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, positions, meta, self.kv_caches)  # [T, H]
         with torch.inference_mode():
+            if spans and scores is not None:
+                for s, row in spans:
+                    lp = torch.log_softmax(self.model.logits(hidden[row:row + len(s.prompt_targets)]).float(), dim=-1)
+                    scores[s.request_id] = token_logprobs(lp, s.prompt_targets,
+                                                          [s.params.prompt_logprobs] * len(s.prompt_targets))
             if len(sample_rows) == len(ids):  # every row samples (decodes only): no gathered copy
                 return self.model.logits(hidden)
             return self.model.logits(hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)])
@@ -194,7 +204,8 @@ class ModelRunner:
 
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         t0 = time.perf_counter()
-        logits = self.compute_logits(batch)
+        scores: dict = {}
+        logits = self.compute_logits(batch, scores)
         seqs = [s for s in batch.seqs if s.sample]
         sampled: dict[str, int] = {}
         logprobs = None
@@ -209,7 +220,7 @@ class ModelRunner:
                     logprobs = {seqs[i].request_id: e for i, e in zip(want, token_logprobs(
                         lp, [toks[i] for i in want], [seqs[i].params.logprobs for i in want]))}
             sampled = {s.request_id: t for s, t in zip(seqs, toks)}
-        return StepOutput(sampled, time.perf_counter() - t0, logprobs)
+        return StepOutput(sampled, time.perf_counter() - t0, logprobs, scores or None)
 
     # --- KV hand-off (disaggregated prefill/decode, batchserve.distributed) ---------------
     def _slots(self, block_table: list[int], n: int) -> torch.Tensor:

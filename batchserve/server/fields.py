@@ -86,7 +86,7 @@ FIELDS: tuple[FieldSpec, ...] = (
     _f("user",                        "b", "string",        "ok",  ("alice",),      "openai",     "✗", "✗", "the tenant: a queue level's service is shared fairly between tenants"),
     # --- OpenAI, completions only ---------------------------------------------------------------------------
     _f("prompt",                      "c", "string|array",  "ok",  ("Hello",),      "openai",     "✓", "✓", "text or token ids, or a list of either: a choice per prompt (n per prompt), indexed in order"),
-    _f("echo",                        "c", "boolean",       "ok",  (True,),         "openai",     "✓", "✗", "the choice's text starts with its prompt; not with logprobs (no prompt logprobs yet)"),
+    _f("echo",                        "c", "boolean",       "ok",  (True,),         "openai",     "✓", "✗", "the choice's text starts with its prompt; with logprobs, the prompt's tokens are scored too (first: null), not streamed"),
     _f("best_of",                     "c", "integer",       "def", (1,),            "openai",     "✓", "✗", "not implemented yet"),
     _f("suffix",                      "c", "string",        "def", ("",),           "openai",     "✗", "✗", "fill-in-the-middle is not supported"),
     # --- OpenAI, chat only ---------------------------------------------------------------------------------
@@ -126,7 +126,7 @@ FIELDS: tuple[FieldSpec, ...] = (
     _f("spaces_between_special_tokens", "b", "boolean",     "def", (True,),         "vllm",       "✓", "✗", "special tokens are never in the text"),
     _f("truncate_prompt_tokens",      "b", "integer",       "no",  _,               "vllm",       "✓", "✗", "a prompt too long is refused, never cut"),
     _f("truncation_side",             "b", "string",        "no",  _,               "vllm",       "✓", "✗", "see truncate_prompt_tokens"),
-    _f("prompt_logprobs",             "b", "integer",       "no",  _,               "vllm",       "✓", "✗", "not implemented yet"),
+    _f("prompt_logprobs",             "b", "integer",       "ok",  (1,),            "vllm",       "✓", "✗", "each prompt token's logprob and this many alternatives, as vLLM's choice.prompt_logprobs; such a request skips the prefix cache"),
     _f("logprob_token_ids",           "b", "array",         "no",  _,               "vllm",       "✓", "✗", "not implemented yet"),
     _f("allowed_token_ids",           "b", "array",         "no",  _,               "vllm",       "✓", "✗", "not implemented yet"),
     _f("bad_words",                   "b", "array",         "def", ([],),           "vllm",       "✓", "✗", "not implemented yet"),

@@ -440,15 +440,18 @@ def parse_generation(body: dict[str, Any], chat: bool, default_max_tokens: int =
             raise bad(constraint.field, "cannot be combined with a tool_choice that calls a tool",
                       code="conflicting_parameters")
         constraint = calling.constraint
-    if echo and logprobs is not None:
-        raise bad("echo", "with logprobs needs the prompt's logprobs, which this server does not report yet")
+    prompt_logprobs = _int(body, "prompt_logprobs", lo=0, hi=MAX_LOGPROBS)
+    if echo and logprobs is not None:  # the prompt's tokens are scored too (lm-evaluation-harness)
+        if stream:
+            raise bad("echo", "with logprobs is answered whole: set stream to false")
+        prompt_logprobs = logprobs if prompt_logprobs is None else max(logprobs, prompt_logprobs)
     try:
         params = SamplingParams(
             max_tokens=max_tokens if max_tokens is not None else (max(1, min_tokens) if chat else 16),
             temperature=1.0 if temperature is None else temperature, top_p=1.0 if top_p is None else top_p,
             top_k=max(0, top_k or 0), seed=_int(body, "seed"), stop=_stop(body),
             ignore_eos=bool(_bool(body, "ignore_eos")), stop_token_ids=_token_ids(body),
-            logit_bias=_logit_bias(body), min_tokens=min_tokens, logprobs=logprobs,
+            logit_bias=_logit_bias(body), min_tokens=min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             **{k: v for k, v in penalties.items() if v is not None})
         spec = RequestSpec(params, prompts[0], messages, priority=priority,
                            deadline_ms=body.get("deadline_ms"), deadline_kind=body.get("deadline_kind"),

@@ -96,6 +96,28 @@ def logprobs_body(entries: list[TokenLogprob] | None, chat: bool, text: TokenTex
             "top_logprobs": [{text(i): v for i, v in e.top} for e in entries], "text_offset": offsets}
 
 
+def _echo_logprobs(out: RequestOutput, text: TokenText) -> dict[str, Any]:
+    """Completions' logprobs over the prompt and the answer (echo with logprobs): the first
+    prompt token has none, as in OpenAI's and vLLM's answers."""
+    prompt = [None, *out.prompt_logprobs[1:]]
+    tokens = [text(t) for t in out.prompt_token_ids] + [text(e.token_id) for e in out.logprobs]
+    entries = prompt + list(out.logprobs)
+    offsets, at = [], 0
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": tokens, "token_logprobs": [None if e is None else e.logprob for e in entries],
+            "top_logprobs": [None if e is None else {text(i): v for i, v in e.top} for e in entries],
+            "text_offset": offsets}
+
+
+def _vllm_prompt_logprobs(out: RequestOutput, text: TokenText) -> list | None:
+    """vLLM's choice.prompt_logprobs: per prompt position, None (the first) or {token id: {logprob,
+    decoded_token}} for the prompt's token and the most likely ones."""
+    return [None if e is None else {str(i): {"logprob": v, "decoded_token": text(i)}
+                                    for i, v in ((e.token_id, e.logprob), *e.top)} for e in out.prompt_logprobs]
+
+
 def completion_body(rid: str, created: int, model: str, out: RequestOutput | list[RequestOutput], chat: bool,
                     native_finish: bool = False, token_text: TokenText = str, n: int = 1,
                     prefixes: list[str] | None = None, tool_calling: ToolCalling | None = None) -> dict[str, Any]:
@@ -115,7 +137,11 @@ def completion_body(rid: str, created: int, model: str, out: RequestOutput | lis
             choices.append({"index": i, "message": message, "logprobs": lp, **finish})
         else:
             text = (prefixes[i] if prefixes else "") + o.text
+            if prefixes and lp is not None and o.prompt_logprobs is not None:
+                lp = _echo_logprobs(o, token_text)
             choices.append({"index": i, "text": text, "logprobs": lp, **finish})
+        if o.prompt_logprobs is not None:
+            choices[-1]["prompt_logprobs"] = _vllm_prompt_logprobs(o, token_text)
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": model, "choices": choices, "usage": usage(outs, n)}
 
