@@ -317,6 +317,7 @@ class Request:
     aged: bool = False  # promoted for its wait: ahead of every level (bounds starvation)
     tenant: str | None = None  # who sent it: shares of a level are fair between tenants
     grammar: Any = None  # structured outputs: the matcher its tokens must pass (engine/structured.py)
+    extras: bool = False  # a grammar or logprobs: each new token has more to do than be appended
     output_logprobs: list | None = None  # a TokenLogprob per output token, when params.logprobs is set
     # when params.prompt_logprobs is set: a TokenLogprob per prompt position (None for the first)
     prompt_logprobs: list | None = None
@@ -331,6 +332,7 @@ class Request:
             self.max_tokens = self.params.max_tokens
         if self.params.logprobs is not None and self.output_logprobs is None:
             self.output_logprobs = []
+        self.extras = self.extras or self.output_logprobs is not None or self.grammar is not None
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = [None] * len(self.prompt_token_ids)
 

@@ -223,28 +223,41 @@ class Scheduler:
             tok = sampled[rid]
             out_ids = req.output_token_ids
             out_ids.append(tok)
-            if req.output_logprobs is not None:
-                req.output_logprobs.append(output.logprobs[rid])
             prev = req.last_token_time
-            if prev is None:
-                if req.first_token_time is None:
-                    req.first_token_time = now
-            else:
+            if prev is not None:
                 gaps.append(now - prev)
+            elif req.first_token_time is None:
+                req.first_token_time = now
             req.last_token_time = now
             changed.append(req)
-            p, g = req.params, req.grammar
-            if g is not None and not g.accept(tok):  # only if the sampler ignored the grammar's mask
-                req.error = "the sampled token does not fit the answer's structured-output constraint"
-                self.finish(req, RequestStatus.FINISHED_ERROR, now)
-            elif (((not p.ignore_eos and tok == req.eos_token_id) or tok in p.stop_token_ids)
-                    and len(out_ids) > p.min_tokens) or (g is not None and g.done):
-                # (the sampler masks EOS and stop ids before min_tokens; a complete grammar ends it)
+            if req.extras and self._extra_token(req, tok, output, now):
+                continue
+            p = req.params
+            if (((not p.ignore_eos and tok == req.eos_token_id) or tok in p.stop_token_ids)
+                    and len(out_ids) > p.min_tokens):  # (the sampler masks them before min_tokens)
                 self.finish(req, RequestStatus.FINISHED_STOPPED, now)
             elif len(out_ids) >= req.max_tokens:
                 self.finish(req, length_status(req), now)
         self.policy.on_update(self, batch, output, now)
         return changed
+
+    def _extra_token(self, req: Request, tok: int, output: StepOutput, now: float) -> bool:
+        """The rarer duties of a new token (`Request.extras`): keep its logprob, feed it to the
+        request's grammar. True if that ended the request (its grammar is complete, or refused
+        the token, which only a sampler ignoring the grammar's mask could make it do)."""
+        if req.output_logprobs is not None:
+            req.output_logprobs.append(output.logprobs[req.request_id])
+        g = req.grammar
+        if g is None:
+            return False
+        if not g.accept(tok):
+            req.error = "the sampled token does not fit the answer's structured-output constraint"
+            self.finish(req, RequestStatus.FINISHED_ERROR, now)
+            return True
+        if g.done:
+            self.finish(req, RequestStatus.FINISHED_STOPPED, now)
+            return True
+        return False
 
     # --- deadlines (core/deadlines.py) ----------------------------------------------------
     def check_deadlines(self, now: float) -> None:

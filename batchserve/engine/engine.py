@@ -191,6 +191,7 @@ class LLMEngine:
         req.tenant = spec.tenant
         if spec.constraint is not None:  # a prepared spec carries its grammar; one grammar per request
             req.grammar = spec.grammar if prepared and spec.grammar is not None else self.compile(spec.constraint)
+            req.extras = True
             self._grammars[req.request_id] = req.grammar
         self.scheduler.add(req, req.arrival_time)
         if self.tokenizer is not None:
@@ -232,6 +233,7 @@ class LLMEngine:
         req.first_token_time = at if first_token_time is None else first_token_time
         if constraint is not None:
             req.grammar = self.compile(constraint)
+            req.extras = True
             if not req.grammar.accept(first_token):
                 raise RequestError(constraint.field, "the prefilled first token does not fit the constraint")
             self._grammars[req.request_id] = req.grammar
