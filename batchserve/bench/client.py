@@ -68,6 +68,8 @@ def _body(item: WorkItem, cfg: ClientConfig, model: str) -> dict[str, Any]:
     }
     if cfg.ignore_eos:  # outputs of the asked length, so the load is the one the workload says
         body["ignore_eos"] = True
+    if item.user is not None:  # OpenAI's own field: every server takes it
+        body["user"] = item.user
     if cfg.extensions:
         body["priority"] = item.priority
         if item.deadline_ms is not None:

@@ -61,7 +61,8 @@ from batchserve.request import DEFAULT_PRIORITY, DeadlineKind, check_priority
 @dataclass(frozen=True)
 class WorkItem:
     """One request of a workload. `arrival` is seconds from the start; `cls` labels the
-    request class / priority level for per-class statistics."""
+    request class / priority level for per-class statistics; `user` the OpenAI field (the
+    tenant), sent when set."""
 
     arrival: float
     prompt_len: int
@@ -72,6 +73,7 @@ class WorkItem:
     deadline_ms: float | None = None
     deadline_kind: str | None = None
     cls: str = "default"
+    user: str | None = None
 
 
 @dataclass(frozen=True)

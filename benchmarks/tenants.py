@@ -1,0 +1,120 @@
+"""Fair tenants over HTTP: does a tenant sending four (and six) times the tokens push a light
+tenant's P99 time to first token past 1.2x its value when alone?
+
+    python -m benchmarks.tenants --out BENCHMARKS.md                 # batchserve, then vLLM-CPU
+    python -m benchmarks.tenants --systems batchserve --quick        # a shorter look
+
+One server at a time (`--max-num-seqs 16`), the project's open-loop client. Each server's
+capacity is measured first (a burst of 48 requests), then on the same server: the light tenant
+alone (Poisson at 0.2x capacity, prompts ~64 tokens, answers ~48), the same arrivals beside a
+heavy tenant at 4x its rate (together 1.0x capacity) and at 6x (1.4x: overload). Both tenants
+name themselves in OpenAI's `user` field; batchserve shares each level between tenants by a
+virtual token counter, vLLM has no notion of tenants (its `user` is only logged). The
+batchserve column `no user` sends the 6x run without the field: the same server's
+first-come-first-served order, what the counter changes.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from batchserve.bench.client import ClientConfig, run
+from batchserve.bench.metrics import percentile
+from batchserve.bench.workload import WorkItem
+from benchmarks.priority_flood import items, poisson
+from benchmarks.report_md import publish
+from benchmarks.servers import start_vllm, started
+from benchmarks.standard import running_server
+
+TITLE = "## Fair tenants: a light tenant beside one sending 4x and 6x its tokens"
+SEATS = 16
+LIGHT = 0.2  # the light tenant's rate, as a fraction of capacity
+CLASSES = (("t", 1.0, 5),)
+
+
+def _send(url: str, work: list[WorkItem]) -> list:
+    res = run(work, ClientConfig(url, progress=False, request_timeout_s=300.0, extensions=False))
+    for rec, w in zip(res.records, work):
+        rec.cls = w.user or w.cls
+    return res.records
+
+
+def _ttft_p99(recs: list, who: str) -> float:
+    t = [r.ttft for r in recs if r.cls == who and r.ok and r.ttft is not None]
+    return 1000 * (percentile(t, 99) or 0.0)
+
+
+def measure(system: str, seed: int, seconds: float, venv: str, model_dir: str) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    if system == "vllm":
+        ctx = started(start_vllm(model_dir, venv=venv, extra_args=["--max-num-seqs", str(SEATS)]), timeout_s=900.0)
+    else:
+        ctx = running_server(["--max-num-seqs", str(SEATS)])
+    out: dict[str, Any] = {"system": system}
+    with ctx as srv:
+        url = srv if isinstance(srv, str) else srv.url
+        _send(url, items(np.zeros(4), rng, CLASSES))  # warm the server and its client path
+        burst = _send(url, items(np.zeros(48), rng, CLASSES))
+        cap = out["capacity_rps"] = sum(r.ok for r in burst) / (max(r.end_time for r in burst if r.ok)
+                                                                - min(r.send_time for r in burst))
+        light = [replace(w, user="light") for w in items(poisson(LIGHT * cap, seconds, rng), rng, CLASSES)]
+        recs = _send(url, light)
+        out["alone_ms"] = _ttft_p99(recs, "light")
+        for k in (4, 6):
+            heavy = [replace(w, user="heavy") for w in items(poisson(k * LIGHT * cap, seconds, rng), rng, CLASSES)]
+            work = sorted(light + heavy, key=lambda w: w.arrival)
+            recs = _send(url, work)
+            out[f"x{k}"] = {"light_ms": _ttft_p99(recs, "light"), "heavy_ms": _ttft_p99(recs, "heavy"),
+                            "failed": sum(not r.ok for r in recs)}
+            if system != "vllm" and k == 6:  # the same run without tenants: arrival order
+                recs = _send(url, [replace(w, user=None, cls=w.user) for w in work])
+                out["x6_no_user"] = {"light_ms": _ttft_p99(recs, "light"), "heavy_ms": _ttft_p99(recs, "heavy"),
+                                     "failed": sum(not r.ok for r in recs)}
+    return out
+
+
+def report(results: list[dict], cmdline: str) -> str:
+    with open("/proc/cpuinfo") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
+    lines = [TITLE, "", f"`python -m benchmarks.tenants {cmdline}` — {datetime.date.today()}, {cpu}, "
+             f"{os.cpu_count()} cores; one server at a time, `--max-num-seqs {SEATS}`; target: the light "
+             "tenant's P99 TTFT within 1.2x its value alone.", "",
+             "| light tenant's P99 TTFT (ms; ratio to alone) | capacity (req/s) | alone | heavy at 4x "
+             "(1.0x capacity) | heavy at 6x (1.4x capacity) | heavy at 6x, no `user` sent |", "|---|---|---|---|---|---|"]
+    for r in results:
+        a = r["alone_ms"]
+
+        def cell(key: str) -> str:
+            v = r.get(key)
+            return "—" if v is None else f"{v['light_ms']:.0f} ({v['light_ms'] / a:.2f}x; heavy {v['heavy_ms']:.0f})"
+
+        lines.append(f"| {r['system']} | {r['capacity_rps']:.2f} | {a:.0f} | {cell('x4')} | {cell('x6')} | "
+                     f"{cell('x6_no_user')} |")
+    lines += ["", "<!-- " + json.dumps(results) + " -->", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--systems", default="batchserve,vllm", help="comma-separated: batchserve, vllm")
+    p.add_argument("--vllm-venv", default="build/vllm-venv", help="vLLM's venv (`make bench-vllm` installs it)")
+    p.add_argument("--vllm-model-dir", default="build/smollm2-135m-instruct-hf", help="the HF directory vLLM serves")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="20 s phases instead of 40")
+    p.add_argument("--out", default=None, help="Markdown file to write the section into")
+    a = p.parse_args(argv)
+    results = [measure(s, a.seed, 20.0 if a.quick else 40.0, a.vllm_venv, a.vllm_model_dir)
+               for s in a.systems.split(",")]
+    return publish(report(results, " ".join(argv)), a.out, TITLE)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
