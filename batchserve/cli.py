@@ -1,4 +1,4 @@
-"""Command line: `batchserve generate | serve` (more subcommands plug in here).
+"""Command line: `batchserve generate | serve | chat` (more subcommands plug in here).
 
 The flags that set config fields are generated from the config dataclasses (`add_config_args`:
 name, type, default, choices and help come from the field); the rest (sampling, simulation,
@@ -111,6 +111,26 @@ def cmd_generate(a: argparse.Namespace) -> int:
         print(o.text)
     print(f"[{ntok} tokens in {dt:.2f} s: {ntok / dt:.1f} tokens/s; finish: "
           f"{', '.join(o.finish_reason or '?' for o in outs)}]", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(a: argparse.Namespace) -> int:
+    import httpx
+
+    from batchserve.chat import converse, server_stream
+
+    try:
+        stream, model = server_stream(a.url, a.model, a.api_key, a.max_tokens, a.temperature)
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+        print(f"error: cannot reach a server at {a.url} ({e}); start one with `batchserve serve`", file=sys.stderr)
+        return 1
+    print(f"{model} at {a.url}: /reset starts over, /exit (or Ctrl-D) leaves", file=sys.stderr)
+
+    def write(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    converse(stream, input, write, a.system)
     return 0
 
 
@@ -241,6 +261,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_args(s)
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
+    c = sub.add_parser("chat", parents=[common], help="chat in the terminal with a running server")
+    c.add_argument("--url", default="http://127.0.0.1:8000", help="the server (any OpenAI-compatible one)")
+    c.add_argument("--model", default=None, help="the model to ask (default: the server's first)")
+    c.add_argument("--api-key", default=None, help="sent as a bearer token")
+    c.add_argument("--system", default=None, help="a system message opening the conversation")
+    c.add_argument("--max-tokens", type=int, default=None, help="tokens per answer, at most (default: the server's)")
+    c.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the server's)")
+    c.set_defaults(func=cmd_chat)
     add_simulate_parser(sub, common)
     add_profile_parser(sub, common)
     from batchserve.bench.cli import add_bench_parser

@@ -15,15 +15,17 @@ from batchserve.request import SamplingParams
 from tests.conftest import FakeExecutor
 
 
-def ttft_p99(rate_heavy: float, tenants: bool = True, seed: int = 1, duration: float = 10.0):
-    """P99 TTFT (ms) of a light tenant (10 req/s) and the heavy one beside it; 8 seats, 16-token
+def ttft_p99(rate_heavy: float, tenants: bool = True, seed: int = 1, duration: float = 10.0,
+             heavy_from: float = 0.0):
+    """P99 TTFT (ms) of a light tenant (10 req/s) and the heavy one beside it, the heavy one
+    sending from `heavy_from` on (the light one's P99 counted from then); 8 seats, 16-token
     prompts, 16-token answers, 10 ms steps (capacity 50 req/s)."""
     cfg = EngineConfig(cache=CacheConfig(block_size=16, num_blocks=4096), scheduler=SchedulerConfig(max_num_seqs=8))
     eng = LLMEngine(cfg, FakeExecutor(4096, step_time=0.01), clock=SimClock())
     rng = random.Random(seed)
     arrivals = []
     for name, rate in (("light", 10.0), ("heavy", rate_heavy)):
-        t = rng.expovariate(rate) if rate else duration
+        t = (heavy_from if name == "heavy" else 0.0) + rng.expovariate(rate) if rate else duration
         while t < duration:
             arrivals.append((t, name))
             t += rng.expovariate(rate)
@@ -44,7 +46,8 @@ def ttft_p99(rate_heavy: float, tenants: bool = True, seed: int = 1, duration: f
     assert len(outs) == len(arrivals)
     eng.kv.check_all_free()
     p99 = {name: 1000 * percentile([o.first_token_time - o.arrival_time for rid, o in outs.items()
-                                     if who[rid] == name], 99) for name in ("light", "heavy") if name in who.values()}
+                                     if who[rid] == name and o.arrival_time >= heavy_from], 99)
+           for name in ("light", "heavy") if name in who.values()}
     return p99, eng.scheduler.waiting.stats(t)
 
 
@@ -58,3 +61,12 @@ def test_a_heavy_tenant_cannot_slow_a_light_one(heavy):
     assert set(st.tenants) == {"light", "heavy"} and tokens == 31 * n  # 16 + 15 each: nothing recomputed
     fifo, _ = ttft_p99(heavy, tenants=False)
     assert fifo["light"] > 3 * alone["light"]  # what happens without tenants
+
+
+def test_a_tenant_that_arrives_late_is_not_owed_the_service_others_got_meanwhile():
+    """The light tenant was served alone for 10 s; a heavy one starting from nothing then must
+    not take the machine until its counter catches up (VTC's lift): the light one's P99 after
+    the heavy one arrives stays within 1.2x its value alone."""
+    alone, _ = ttft_p99(0.0, duration=20.0)
+    late, _ = ttft_p99(40.0, duration=20.0, heavy_from=10.0)
+    assert late["light"] <= 1.2 * alone["light"], (late, alone)

@@ -12,7 +12,12 @@ VTC, whose tokens decay with time constant `tenant_memory_s`,
     served(tenant, t) = sum over its served tokens k of  exp(-(t - t_k) / tenant_memory_s)
 
 so a tenant sending more waits for its own backlog, not the others', and one that was idle
-for a while is not owed the past. All counters decay alike, so their order is kept by the
+for a while is not owed the past. A tenant new to a level starts from the least counter of the
+tenants queued there (none queued: the counter of the tenant whose last request left the
+queue), as VTC lifts a client that joins: service others got before it came is not held
+against them (else a newcomer would hold the level until its counter caught up with theirs).
+A known tenant keeps its own counter when it comes back: what it is owed is what the decay
+leaves of the others' lead, so a light tenant goes ahead of a heavy one's backlog. All counters decay alike, so their order is kept by the
 undecayed sums scaled by exp(t_k / tenant_memory_s) (renormalized now and then). Urgency by slack stays
 inside the request's level: a low request about to miss
 its deadline goes first among the low ones, never ahead of a higher level, so splitting traffic
@@ -68,6 +73,8 @@ class AdmissionQueue:
         self.served: dict[_TenantKey, float] = {}  # the tenants' counters, scaled by exp(-_epoch / memory)
         self._epoch = 0.0  # the time the counters are scaled to
         self.fair = False  # a request naming a tenant has been queued: the scheduler credits tokens
+        self._backlog: dict[_TenantKey, int] = {}  # named tenants' queued requests
+        self._last_left: dict[str, _TenantKey] = {}  # level -> the tenant whose queue emptied last
         self._live: dict[str, _Entry] = {}  # request id -> its current heap entry
         self._count = {name: 0 for name in self.levels}
         self._prompt_at = [0] * (MAX_PRIORITY + 1)  # by priority: prompt tokens queued, still to compute
@@ -165,6 +172,10 @@ class AdmissionQueue:
         tk = (level.name, req.tenant)
         if req.tenant is not None:
             self.fair = True
+            n = self._backlog.get(tk, 0)
+            if not n and tk not in self.served:
+                self._lift(tk)
+            self._backlog[tk] = n + 1
         self._push_entry(entry, tk)
         heapq.heappush(self._oldest[level.name], (req.arrival_time, tok, req))
         self._count[level.name] += 1
@@ -307,9 +318,29 @@ class AdmissionQueue:
         entry = self._live.get(req.request_id)
         return entry is not None and entry[5] == tok
 
+    def _lift(self, tk: _TenantKey) -> None:
+        """A tenant new to its level is about to queue: start its counter at the floor (the
+        module docstring)."""
+        level, served = tk[0], self.served
+        queued = [served.get(k, 0.0) for k, n in self._backlog.items() if n and k[0] == level]
+        if queued:
+            floor = min(queued)
+        else:
+            last = self._last_left.get(level)
+            floor = served.get(last, 0.0) if last is not None else 0.0
+        served[tk] = floor
+
     def _forget(self, req: Request) -> None:
         del self._live[req.request_id]
         self._count[req.level] -= 1
+        if req.tenant is not None:
+            tk = (req.level, req.tenant)
+            n = self._backlog[tk] - 1
+            if n:
+                self._backlog[tk] = n
+            else:
+                del self._backlog[tk]
+                self._last_left[req.level] = tk
         p, todo = self._prompt_of.pop(req.request_id)
         self._prompt_at[p] -= todo
         self._queued_at[p] -= 1
