@@ -22,7 +22,7 @@ from batchserve.server.config import load_configs
 
 
 def _metric_values(text: str) -> dict[tuple[str, tuple], float]:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+    return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
             for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
