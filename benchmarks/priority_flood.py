@@ -54,7 +54,7 @@ from batchserve.bench.client import ClientConfig, run
 from batchserve.bench.metrics import RequestRecord, percentile
 from batchserve.bench.workload import WorkItem, build_prompt, lognormal_lengths
 from benchmarks.report_md import publish
-from benchmarks.servers import start_vllm, started
+from benchmarks.servers import add_vllm_args, start_vllm, started
 from benchmarks.standard import running_server
 
 TITLE = "## Priority flood: the important traffic under a 3x surge, against vLLM's priority scheduler"
@@ -363,8 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--systems", default="one-level,seed-levels,equal", help="comma-separated systems to run")
-    p.add_argument("--vllm-venv", default="build/vllm-venv", help="vLLM's venv (`make bench-vllm` installs it)")
-    p.add_argument("--vllm-model-dir", default="build/smollm2-135m-instruct-hf", help="the HF directory vLLM serves")
+    add_vllm_args(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="phases half as long")
     p.add_argument("--out", default=None, help="Markdown file to write the section into")

@@ -31,6 +31,12 @@ from benchmarks.vllm_setup import DEFAULT_VENV, vllm_bin
 SERVED_NAME = "smollm2-135m-instruct"
 
 
+def add_vllm_args(p) -> None:
+    """The flags every comparison with vLLM takes: where its venv and model directory are."""
+    p.add_argument("--vllm-venv", default="build/vllm-venv", help="vLLM's venv (`make bench-vllm` installs it)")
+    p.add_argument("--vllm-model-dir", default="build/smollm2-135m-instruct-hf", help="the HF directory vLLM serves")
+
+
 def vllm_env(threads_bind: str | None = None, kv_cache_gib: int = 4) -> dict[str, str]:
     """The environment vLLM's CPU build serves in here: offline, the CPU platform forced (see
     vllm_setup), a `kv_cache_gib` KV cache, and its model worker's OpenMP threads bound to

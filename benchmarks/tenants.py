@@ -30,7 +30,7 @@ from batchserve.bench.metrics import percentile
 from batchserve.bench.workload import WorkItem
 from benchmarks.priority_flood import items, poisson
 from benchmarks.report_md import publish
-from benchmarks.servers import start_vllm, started
+from benchmarks.servers import add_vllm_args, start_vllm, started
 from benchmarks.standard import running_server
 
 TITLE = "## Fair tenants: a light tenant beside one sending 4x and 6x its tokens"
@@ -105,8 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--systems", default="batchserve,vllm", help="comma-separated: batchserve, vllm")
-    p.add_argument("--vllm-venv", default="build/vllm-venv", help="vLLM's venv (`make bench-vllm` installs it)")
-    p.add_argument("--vllm-model-dir", default="build/smollm2-135m-instruct-hf", help="the HF directory vLLM serves")
+    add_vllm_args(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="20 s phases instead of 40")
     p.add_argument("--out", default=None, help="Markdown file to write the section into")
