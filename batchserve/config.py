@@ -155,9 +155,9 @@ class SchedulerConfig:
     """Step budgets and the batching policy (a name from `core.policies.POLICIES`).
 
     static / dynamic (request level): `window_ms` / `max_batch` (static's fixed values;
-    dynamic's max batch starts at `max_batch`, its window moves in [window_min_ms,
-    window_max_ms] and its cap is steered by measured P99 end-to-end latency against
-    `slo_p99_ms`); `bucket_by_length` groups similar lengths into a batch.
+    dynamic launches and sizes each batch, up to `max_batch`, by the control law in
+    `core.controllers`, keeping to `slo_ttft_ms` / `slo_tpot_ms` / `slo_p99_ms` where set and
+    waiting at most `window_max_ms` for company); `bucket_by_length` groups similar lengths.
     chunked: `chunk_size` tokens per prompt chunk. cascade: `prefill_max_batch` /
     `decode_max_batch` per stage, `cascade_ratio` decode steps between prefill steps while
     both stages have work, `cascade_workers` runs the stages in two worker processes.
@@ -171,11 +171,12 @@ class SchedulerConfig:
     max_num_seqs: int = _flag(64, "most sequences in one step")
     max_num_batched_tokens: int = _flag(2048, "most tokens in one step")
     chunk_size: int = _flag(512, "chunked: tokens per prompt chunk")
-    window_ms: float = _flag(50.0, "static: collection window; dynamic: its starting window")
-    max_batch: int = _flag(32, "static: batch cap; dynamic: its starting cap")
-    window_min_ms: float = _flag(15.0, "dynamic: shortest window")
-    window_max_ms: float = _flag(120.0, "dynamic: longest window")
-    slo_p99_ms: float = _flag(2000.0, "dynamic: P99 end-to-end target that steers the max batch and caps the window")
+    window_ms: float = _flag(50.0, "static: collection window")
+    max_batch: int = _flag(32, "static: batch size; dynamic: the largest batch")
+    window_max_ms: float = _flag(120.0, "dynamic: longest a request waits for company")
+    slo_ttft_ms: float | None = _flag(None, "dynamic: time-to-first-token target (unset: none)")
+    slo_tpot_ms: float | None = _flag(None, "dynamic: time-per-output-token target (unset: none)")
+    slo_p99_ms: float | None = _flag(None, "dynamic: end-to-end target (unset: none)")
     bucket_by_length: bool = _flag(False, "dynamic: batch similar lengths together")
     prefill_max_batch: int = _flag(64, "cascade: prefill cap")
     decode_max_batch: int = _flag(16, "cascade: decode cap")
@@ -192,10 +193,10 @@ class SchedulerConfig:
         _check(self.chunk_size >= 1, "chunk_size", "must be >= 1")
         _check(self.window_ms >= 0, "window_ms", "must be >= 0")
         _check(self.max_batch >= 1, "max_batch", "must be >= 1")
-        _check(self.window_min_ms >= 0, "window_min_ms", "must be >= 0")
-        _check(self.window_max_ms >= self.window_min_ms, "window_max_ms",
-               f"must be >= window_min_ms ({self.window_min_ms}), got {self.window_max_ms}")
-        _check(self.slo_p99_ms > 0, "slo_p99_ms", "must be > 0")
+        _check(self.window_max_ms >= 0, "window_max_ms", "must be >= 0")
+        for name in ("slo_ttft_ms", "slo_tpot_ms", "slo_p99_ms"):
+            v = getattr(self, name)
+            _check(v is None or v > 0, name, f"must be > 0 when set, got {v}")
         _check(self.prefill_max_batch >= 1, "prefill_max_batch", "must be >= 1")
         _check(self.decode_max_batch >= 1, "decode_max_batch", "must be >= 1")
         _check(self.cascade_ratio >= 1, "cascade_ratio", "must be >= 1")

@@ -37,8 +37,7 @@ from benchmarks.report_md import write_section
 # batch; cascade: prefill 64 / decode 16), otherwise the config defaults
 POLICY_SETTINGS: dict[str, dict] = {
     "static": dict(policy="static", window_ms=200.0, max_batch=32),
-    "dynamic": dict(policy="dynamic", max_batch=32, window_min_ms=15.0, window_max_ms=120.0,
-                    bucket_by_length=True),
+    "dynamic": dict(policy="dynamic", max_batch=32, window_max_ms=120.0, bucket_by_length=True),
     "continuous": dict(policy="continuous"),
     "chunked": dict(policy="chunked", chunk_size=64),
     "cascade": dict(policy="cascade", prefill_max_batch=64, decode_max_batch=16),

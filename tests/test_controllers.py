@@ -1,77 +1,114 @@
-"""The dynamic policy's controllers as pure functions."""
+"""The dynamic policy's control law and its helpers as pure functions."""
 from __future__ import annotations
 
 import math
 
 import pytest
 
-from batchserve.core.controllers import (adaptive_window, aimd_batch_cap, arrival_rate, bucket_distance, ewma,
-                                         length_bucket, percentile)
+from batchserve.core.controllers import (BatchTimes, SortedWindow, Targets, batch_times,
+                                         bucket_distance, ewma, length_bucket, longest_of, percentile, plan_batch,
+                                         slo_size)
 
-B = (15.0, 120.0)  # the seed's figures: 15 ms under load, 120 ms when quiet
-
-
-def test_window_seed_figures():
-    assert adaptive_window(60, 2000.0, B) == 15.0  # depth > 50: shortest
-    assert adaptive_window(5, 1.0, B) == 120.0  # depth < 10, slow arrivals: longest
-    assert adaptive_window(0, 0.0, B) == 120.0  # idle: no rate at all
+def linear(base: float, per: float):
+    """times(b) for a batch whose whole time is base + per * b s (prefill a tenth of it)."""
+    return lambda b: BatchTimes(0.1 * (base + per * b), per, base + per * b)
 
 
-def test_window_is_the_time_to_fill_the_batch_within_bounds():
-    assert adaptive_window(12, 400.0, B, target_batch=32) == pytest.approx(50.0)  # 20 more at 400/s
-    assert adaptive_window(32, 1.0, B, target_batch=32) == 15.0  # already a full batch
+def plan(waits, times, cap=32, rate=1.0, targets=Targets(), window_max=1.0, e2e=None, since=0.0):
+    e2e = [targets.e2e] * len(waits) if e2e is None else e2e
+    return plan_batch(waits, e2e, times, cap, 1.0 / rate, since, targets, window_max)
 
 
-def test_window_monotone_in_depth_and_rate():
-    by_depth = [adaptive_window(d, 300.0, B) for d in range(0, 40, 2)]
-    assert all(a >= b for a, b in zip(by_depth, by_depth[1:])) and by_depth[0] > by_depth[-1]
-    by_rate = [adaptive_window(4, r, B) for r in (10, 100, 300, 1000, 5000)]
-    assert all(a >= b for a, b in zip(by_rate, by_rate[1:])) and by_rate[0] > by_rate[-1]
-    assert all(B[0] <= w <= B[1] for w in by_depth + by_rate)
+def test_a_trickle_launches_a_lone_request_at_once():
+    p = plan([0.0], linear(1.0, 0.01), rate=0.5)  # 0.5/s x 1.01 s < 1: the batch of one keeps pace
+    assert p.launch and p.size == 1 and p.wait_s == 0.0
 
 
-def test_window_never_beyond_the_slo():
-    assert adaptive_window(1, 1.0, B, slo_left_ms=40.0) == 40.0
-    assert adaptive_window(1, 1.0, B, slo_left_ms=5.0) == 5.0  # below the minimum: the SLO wins
-    assert adaptive_window(1, 1.0, B, slo_left_ms=-10.0) == 0.0
-    with pytest.raises(ValueError):
-        adaptive_window(1, 1.0, (50.0, 10.0))
+def test_near_saturation_the_batch_fills_to_the_size_that_keeps_pace():
+    times = linear(1.0, 0.01)  # b* = 20 * (1 + 0.01 b*)  ->  b* = 25
+    waiting = [plan([0.0] * d, times, rate=20.0) for d in range(1, 25)]
+    assert not any(p.launch for p in waiting)
+    assert all(0 < p.wait_s <= 1.0 for p in waiting)  # until the next arrival, at most window_max
+    p = plan([0.0] * 25, times, rate=20.0)
+    assert p.launch and p.size == 25
+    assert plan([0.2] * 30, times, rate=100.0, cap=32).size == 30  # past saturation: what waits, to the cap
 
 
-def test_arrival_rate_from_gaps_decays_when_quiet():
-    assert arrival_rate(None, 0.0) == 0.0
-    assert arrival_rate(0.01, 0.0) == pytest.approx(100.0)
-    assert arrival_rate(0.01, 2.0) == pytest.approx(0.5)  # a 2 s silence counts as a 2 s gap
-    assert arrival_rate(0.0, 0.0) == math.inf
+def test_a_full_queue_launches_the_cap_and_window_max_bounds_the_wait():
+    p = plan([0.0] * 40, linear(1.0, 0.01), rate=1000.0, cap=32)
+    assert p.launch and p.size == 32
+    assert plan([1.0, 0.0], linear(1.0, 0.01), rate=100.0, window_max=1.0).launch
+    assert not plan([0.5, 0.0], linear(1.0, 0.01), rate=100.0, window_max=1.0).launch
+
+
+def test_a_member_short_of_slack_launches_the_batch():
+    times, t = linear(1.0, 0.01), Targets(e2e=2.0)
+    # 2 waiting at 20/s (needs 25): the oldest, 0.95 s in, has 2 - 0.95 - 1.02 = 0.03 s < 1/20 s
+    p = plan([0.95, 0.1], times, rate=20.0, targets=t)
+    assert p.launch
+    # 2 - 0.5 - 1.03 - 0.05 = 0.42 s of margin: it closes at 1/s for 0.05 s (the mean gap),
+    # then at 2/s as the silence grows the gap too: late after 0.05 + 0.37 / 2 s
+    p = plan([0.5, 0.1], times, rate=20.0, targets=t)
+    assert not p.launch and p.wait_s == pytest.approx(0.235)
+    # a request that misses anyway does not force a launch: its slack is not counted
+    assert not plan([5.0, 0.1], times, rate=20.0, targets=t, window_max=10.0).launch
+    # its own deadline counts the same way
+    assert plan([0.95, 0.1], times, rate=20.0, e2e=[2.0, None]).launch
+
+
+@pytest.mark.parametrize("targets", [Targets(), Targets(e2e=2.0), Targets(ttft=0.6, e2e=3.0)])
+@pytest.mark.parametrize("waits", [[0.0], [0.3, 0.2, 0.0], [0.6] * 5, [0.05] * 12])
+def test_the_wait_is_exact_when_nothing_arrives(targets, waits):
+    """With no arrival, the plan says launch at wait_s and not a moment before."""
+    times = linear(1.0, 0.01)
+    p = plan(waits, times, rate=20.0, targets=targets, window_max=0.5)
+    if p.launch:
+        return
+    later = lambda dt: plan([w + dt for w in waits], times, rate=20.0, targets=targets,  # noqa: E731
+                            window_max=0.5, since=dt)
+    assert not later(0.999 * p.wait_s).launch and later(p.wait_s + 1e-9).launch
+
+
+def test_targets_cap_the_batch_where_a_fresh_request_would_miss():
+    times = linear(1.0, 0.1)  # B(b) = 1 + 0.1 b, D(b) = 0.1 s
+    assert slo_size(times, 32, Targets()) == 32
+    assert slo_size(times, 32, Targets(e2e=2.0)) == 10  # 1 + 0.1 * 10 = 2.0
+    assert slo_size(times, 32, Targets(ttft=0.151)) == 5  # F = 0.1 + 0.01 b
+    assert slo_size(times, 32, Targets(e2e=0.5)) == 1  # none fits: one at a time
+    assert slo_size(lambda b: BatchTimes(0.0, 0.001 * b, 0.1 * b), 64, Targets(tpot=0.016)) == 16
+    p = plan([0.0] * 40, times, rate=5.0, targets=Targets(e2e=2.0))
+    assert p.launch and p.size == 10  # the queue fills the SLO's batch
+
+
+def test_an_empty_model_launches_everything_at_once():
+    zero = lambda b: BatchTimes(0.0, 0.0, 0.0)  # noqa: E731 - the latency model before it is fitted
+    p = plan([0.0] * 7, zero, rate=100.0, targets=Targets(e2e=1.0))
+    assert p.launch and p.size == 7
+    assert plan([], zero).size == 0 and not plan([], zero).launch
+
+
+def test_batch_times_prefill_in_budget_steps_then_decodes():
+    step = lambda tokens, seqs: 0.001 * tokens + 0.01  # noqa: E731
+    t = batch_times(step, 4, 100.0, 10, token_budget=256)  # 400 tokens: 2 steps of 200
+    assert t.first == pytest.approx(2 * (0.2 + 0.01))
+    assert t.decode == pytest.approx(0.014)
+    assert t.total == pytest.approx(t.first + 9 * 0.014)
+
+
+def test_longest_of_b_outputs_and_the_sorted_window():
+    outs = list(range(1, 101))
+    assert longest_of(1, outs) == 51 and longest_of(9, outs) == 91 and longest_of(1000, outs) == 100
+    assert longest_of(4, []) == 1
+    w = SortedWindow(size=3)
+    for x in (5, 1, 9, 3):
+        w.add(x)
+    assert w.values == [1, 3, 9]  # the 5 left first
+
+
+def test_ewma():
     assert ewma(None, 4.0, 0.5) == 4.0 and ewma(4.0, 2.0, 0.5) == 3.0
     with pytest.raises(ValueError):
         ewma(1.0, 1.0, 0.0)
-
-
-def test_aimd_decreases_near_slo_increases_with_headroom():
-    assert aimd_batch_cap(32, p99_ms=950.0, slo_ms=1000.0) == 24  # the seed's 32 -> 24
-    assert aimd_batch_cap(24, p99_ms=800.0, slo_ms=1000.0) == 24  # dead band: hold
-    assert aimd_batch_cap(24, p99_ms=300.0, slo_ms=1000.0) == 25  # headroom: +1
-    assert aimd_batch_cap(32, p99_ms=100.0, slo_ms=1000.0, hi=32) == 32  # never above hi
-    assert aimd_batch_cap(1, p99_ms=5000.0, slo_ms=1000.0) == 1  # never below lo
-    assert aimd_batch_cap(2, p99_ms=5000.0, slo_ms=1000.0) == 1  # always moves when it can
-
-
-def test_aimd_recovers_after_a_spike():
-    cap = 32
-    for _ in range(3):
-        cap = aimd_batch_cap(cap, 1200.0, 1000.0)
-    assert cap == 13  # 32 -> 24 -> 18 -> 13
-    steps = 0
-    while cap < 32:
-        cap = aimd_batch_cap(cap, 200.0, 1000.0)
-        steps += 1
-    assert steps == 19
-
-
-def test_aimd_grows_when_the_time_is_queueing():
-    assert aimd_batch_cap(16, p99_ms=3000.0, slo_ms=1000.0, service_p99_ms=400.0) == 17
-    assert aimd_batch_cap(16, p99_ms=3000.0, slo_ms=1000.0, service_p99_ms=2000.0) == 12
 
 
 def test_percentile_and_buckets():

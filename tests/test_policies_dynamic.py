@@ -1,5 +1,5 @@
-"""The `dynamic` policy with the fake executor and a virtual clock: the adaptive window, the
-SLO-steered batch cap and length bucketing."""
+"""The `dynamic` policy with the fake executor and a virtual clock: when it launches a batch,
+how large, and length bucketing."""
 from __future__ import annotations
 
 import random
@@ -9,97 +9,104 @@ import pytest
 from tests.policy_helpers import SizedFakeExecutor, drive, req
 
 
-def test_dynamic_window_shrinks_under_load_and_grows_when_idle(make_fake_engine):
-    eng = make_fake_engine(policy="dynamic", window_min_ms=10.0, window_max_ms=1000.0, max_batch=32,
-                           slo_p99_ms=60_000.0, num_blocks=512)
-    pol = eng.scheduler.policy
-    eng.add_request(now=0.0, **req("idle0", 4, 2))
-    eng.step(now=0.0)
-    assert pol.window_ms == 1000.0  # no arrival rate yet: idle, longest window
-    drive(eng)
-    # a burst: 40 requests 1 ms apart -> fast arrivals and a deep queue
-    t0 = eng.clock.now()
-    for i in range(40):
-        eng.add_request(now=t0 + i * 0.001, **req(f"b{i}", 4, 2))
-    eng.step(now=t0 + 0.04)
-    assert pol.window_ms == 10.0
-    drive(eng)
-    # a steady 50 requests/s with a shallow queue: about the time to fill the batch at that rate
-    windows = []
-    for i in range(40):
-        t = eng.clock.now()
-        eng.add_request(now=t, **req(f"m{i}", 4, 2))
-        eng.step(now=t)
-        if i >= 20 and len(eng.scheduler.waiting):
-            windows.append((len(eng.scheduler.waiting), pol.window_ms))
-        eng.clock.advance(0.02)
-    drive(eng)
-    assert windows and all(10.0 < w < 1000.0 for _, w in windows)
-    pairs = [(a, b) for a, b in zip(windows, windows[1:]) if b[0] > a[0]]
-    assert len(pairs) > 5 and all(b[1] < a[1] for a, b in pairs)  # a deeper queue: a shorter window
-    # idle again: a lone request after a long silence gets the long window back
-    t2 = eng.clock.now() + 30.0
-    eng.clock.set(t2)
-    eng.add_request(now=t2, **req("idle1", 4, 2))
-    eng.step(now=t2)
-    assert pol.window_ms == 1000.0
-    drive(eng)
+def warm(eng, n=12, plen=4, out=10):
+    """Bursts of 1 to 4 requests, far apart, until the step-time model is fitted on batches of
+    several sizes."""
+    for i in range(n):
+        t = eng.clock.now() + 1.0
+        eng.clock.set(t)
+        drive(eng, [(t, req(f"w{i}-{k}", plen, out)) for k in range(1 + i % 4)])
+    assert eng.scheduler.latency.ready
 
 
-def test_dynamic_window_never_exceeds_what_the_slo_leaves(make_fake_engine):
-    eng = make_fake_engine(policy="dynamic", window_min_ms=10.0, window_max_ms=500.0, slo_p99_ms=200.0,
-                           max_batch=32)
-    pol = eng.scheduler.policy
-    eng.add_request(now=0.0, **req("a", 4, 10))
-    eng.step(now=0.0)
-    assert pol.window_ms == 200.0  # the SLO, not window_max_ms
-    done = drive(eng)
-    assert pol.service_ms == pytest.approx(100.0, abs=20.0)  # measured: 10 steps of 10 ms
-    t = eng.clock.now() + 1.0
+def batch_sizes(eng, arrivals):
+    """Drive `arrivals`; the size of each batch the policy formed, in order."""
+    pol, sizes = eng.scheduler.policy, []
+    form = pol._form
+
+    def recording(sched, now):
+        form(sched, now)
+        sizes.append(len(pol.members))
+
+    pol._form = recording
+    done = drive(eng, arrivals)
+    assert len(done) == len(arrivals)
+    return sizes
+
+
+def test_dynamic_launches_a_lone_request_at_once_when_arrivals_are_slow(make_fake_engine):
+    eng = make_fake_engine(policy="dynamic", window_max_ms=1000.0, num_blocks=512)
+    eng.executor = SizedFakeExecutor(512)  # a step of b sequences takes 4 + 2 b ms
+    warm(eng)
+    t = eng.clock.now() + 5.0
     eng.clock.set(t)
-    eng.add_request(now=t, **req("b", 4, 10))
-    eng.step(now=t)
-    assert pol.window_ms == pytest.approx(200.0 - pol.service_ms)
-    done.update(drive(eng))
-    assert set(done) == {"a", "b"}
+    eng.add_request(now=t, **req("lone", 4, 10))
+    assert eng.step(now=t).ran is not None  # no window: a batch of one keeps pace with a trickle
+    drive(eng)
 
 
-def test_dynamic_batch_cap_falls_near_slo_and_recovers(make_fake_engine):
-    eng = make_fake_engine(policy="dynamic", max_batch=16, slo_p99_ms=1000.0, window_min_ms=0.0,
-                           window_max_ms=20.0, num_blocks=1024)
-    eng.executor = SizedFakeExecutor(1024)  # a step of 16 seqs takes 36 ms, of 8 seqs 20 ms
+def test_dynamic_batches_grow_with_the_arrival_rate(make_fake_engine):
+    """B(b) = 10 decodes x (4 + 2 b) ms: the size that keeps pace is about 1 at 10/s, 8 at 40/s."""
+    def mean_size(rate: float) -> float:
+        eng = make_fake_engine(policy="dynamic", window_max_ms=1000.0, max_batch=32, num_blocks=1024)
+        eng.executor = SizedFakeExecutor(1024)
+        warm(eng)
+        t0 = eng.clock.now() + 1.0
+        eng.clock.set(t0)
+        sizes = batch_sizes(eng, [(t0 + i / rate, req(f"r{i}", 4, 10)) for i in range(120)])
+        return sum(sizes[3:]) / len(sizes[3:])
+
+    slow, fast = mean_size(10.0), mean_size(40.0)
+    assert slow < 2.0 and fast > 4 * slow
+
+
+def test_dynamic_tpot_target_caps_the_batch_and_no_target_does_not(make_fake_engine):
+    def sizes(**slo) -> list[int]:
+        eng = make_fake_engine(policy="dynamic", max_batch=32, window_max_ms=20.0, num_blocks=1024, **slo)
+        eng.executor = SizedFakeExecutor(1024)  # a decode step of 8 takes 20 ms, of 9 22 ms
+        warm(eng)
+        t = eng.clock.now() + 1.0
+        eng.clock.set(t)
+        return batch_sizes(eng, [(t, req(f"b{i}", 4, 10)) for i in range(30)])
+
+    assert max(sizes(slo_tpot_ms=21.0)) == 8
+    assert sizes() == [30]  # no target: one batch takes everything waiting
+
+
+def test_dynamic_launches_when_a_deadline_has_no_slack_left(make_fake_engine):
+    """Arrivals too fast to keep pace with (one every ms): a batch waits for company until it
+    is full (128 here), unless a member with a deadline would miss it by
+    waiting for the next arrival."""
+    eng = make_fake_engine(policy="dynamic", max_batch=128, max_num_seqs=128, window_max_ms=1000.0,
+                           num_blocks=1024)
+    eng.executor = SizedFakeExecutor(1024, per_seq=0.0002)  # a batch of 128 takes 10 x 30 ms
+    warm(eng)
     pol = eng.scheduler.policy
-    # heavy phase: bursts of 16 with 40-token outputs: a batch of 16 takes 40 x 36 ms = 1.4 s,
-    # over the SLO on its own (service, not queueing), so the cap must fall
-    heavy = [(k * 1.5 + i * 0.001, req(f"h{k}-{i}", 4, 40)) for k in range(6) for i in range(16)]
-    drive(eng, heavy)
-    assert pol.cap_changes and pol.cap_changes[0][1] == 12  # multiplicative: 16 -> 12
-    low = pol.max_batch
-    assert low < 16
-    assert pol.p99_ms >= 900.0 or pol.cap_changes[-1][1] == low
-    # light phase: short outputs, spaced out -> lots of headroom, the cap climbs back
-    t = eng.clock.now()
-    light = [(t + i * 0.05, req(f"l{i}", 4, 2)) for i in range(200)]
-    drive(eng, light)
-    assert pol.max_batch > low
-    assert pol.max_batch == 16 and pol.cap_changes[-1][1] == 16
+    formed, form = [], pol._form
 
+    def recording(sched, now):
+        form(sched, now)
+        formed.append((now, {r.request_id for r in pol.members}))
 
-def test_dynamic_cap_holds_when_queueing_not_batch_size_is_the_problem(make_fake_engine):
-    """Overload with cheap batches: P99 is over the SLO because of the queue; cutting the
-    batch would lower throughput, so the cap must not collapse."""
-    eng = make_fake_engine(policy="dynamic", max_batch=8, slo_p99_ms=300.0, window_min_ms=0.0,
-                           window_max_ms=10.0, num_blocks=1024)
-    pol = eng.scheduler.policy
-    drive(eng, [(i * 0.004, req(f"r{i}", 4, 5)) for i in range(300)])  # 250/s, serves ~160/s
-    assert pol.p99_ms > 300.0
-    assert pol.max_batch == 8 and not pol.cap_changes
+    pol._form = recording
+    t0 = eng.clock.now() + 1.0
+    eng.clock.set(t0)
+    arrivals = [(t0 + 0.001 * i, req(f"c{i}", 4, 10)) for i in range(500)]
+    arrivals.append((t0 + 0.05, dict(deadline_ms=300.0, deadline_kind="soft", **req("dl", 4, 10))))
+    done = drive(eng, arrivals, dt=0.001)
+    launched = next(t for t, ids in formed if "dl" in ids)
+    assert launched < t0 + 0.35 - 0.2  # in time for its deadline, not when the batch filled
+    out = done["dl"][0]
+    # launched at the last arrival it could wait for: whole, or one token short where the soft
+    # deadline's own planning ends it a step early
+    assert len(out.token_ids) >= 9 and out.finish_time - out.arrival_time <= 0.3
+    assert max(len(ids) for _, ids in formed) == 128  # the others did wait for full batches
 
 
 def test_dynamic_length_buckets_cut_padding(make_fake_engine):
     def run(bucket: bool) -> float:
-        eng = make_fake_engine(policy="dynamic", max_batch=4, window_min_ms=50.0, window_max_ms=50.0,
-                               bucket_by_length=bucket, num_blocks=1024, slo_p99_ms=1e6)
+        eng = make_fake_engine(policy="dynamic", max_batch=4, window_max_ms=50.0, bucket_by_length=bucket,
+                               num_blocks=1024)
         rng = random.Random(1)
         arrivals = []
         for i in range(32):  # two classes, interleaved

@@ -71,7 +71,7 @@ def setup(llm):
 
 SETTINGS = {
     "static": dict(window_ms=10.0, max_batch=3),
-    "dynamic": dict(window_min_ms=0.0, window_max_ms=20.0, max_batch=4, bucket_by_length=True),
+    "dynamic": dict(window_max_ms=20.0, max_batch=4, bucket_by_length=True),
     "continuous": dict(),
     "chunked": dict(chunk_size=7, max_num_batched_tokens=24),
     "cascade": dict(prefill_max_batch=2, decode_max_batch=3, cascade_ratio=2),

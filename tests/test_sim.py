@@ -2,6 +2,8 @@
 clock, deterministic, every request ends by its own length, windows honoured exactly."""
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import math
 
@@ -77,8 +79,8 @@ def live_batches(cfg: EngineConfig, items: list[WorkItem]) -> tuple[list, dict[s
 def config(policy: str, queue: QueueConfig | None = None) -> EngineConfig:
     return EngineConfig(cache=CacheConfig(block_size=4),
                         scheduler=SchedulerConfig(policy=policy, max_num_seqs=16, max_num_batched_tokens=96,
-                                                  chunk_size=32, window_ms=30.0, max_batch=8, window_min_ms=5.0,
-                                                  window_max_ms=60.0, slo_p99_ms=3000.0, prefill_max_batch=6,
+                                                  chunk_size=32, window_ms=30.0, max_batch=8, window_max_ms=60.0,
+                                                  slo_p99_ms=3000.0, prefill_max_batch=6,
                                                   decode_max_batch=4, cascade_ratio=2),
                         queue=queue or QueueConfig())
 
@@ -169,8 +171,12 @@ def test_too_long_and_refused_requests_are_recorded() -> None:
 def test_due_time_is_never_late(policy: str) -> None:
     """Between a step that ran nothing and the due time the engine gave, the policy would not
     have launched a batch: jumping there loses nothing (probed at points in between)."""
-    items = make_workload("priority-flood", 60, 15.0, seed=5, scale=0.3, deadline_scale=0.2)
-    sim = Simulator(config(policy), COST, num_blocks=BLOCKS)
+    n = 60 if policy == "static" else 200  # dynamic waits less often: more arrivals to probe
+    items = make_workload("priority-flood", n, 15.0, seed=5, scale=0.3, deadline_scale=0.2)
+    cfg = config(policy)
+    if policy == "dynamic":  # no end-to-end target: it waits for company until the batch keeps pace
+        cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, slo_p99_ms=None))
+    sim = Simulator(cfg, COST, num_blocks=BLOCKS)
     eng, pol = sim.engine, sim.engine.scheduler.policy
     ask = eng.next_step_due
     probes = []
@@ -180,25 +186,17 @@ def test_due_time_is_never_late(policy: str) -> None:
         if due is not None and len(eng.scheduler.waiting) and not pol.members:
             for k in range(1, 5):
                 t = now + (due - now) * k / 5
-                saved = (pol.window_ms, pol.max_batch)
+                saved = (pol.window_ms, pol.max_batch, getattr(pol, "plan", None))
                 pol.update_controls(eng.scheduler, t)
                 assert not pol.should_launch(eng.scheduler, t), (now, t, due)
-                pol.window_ms, pol.max_batch = saved
+                pol.window_ms, pol.max_batch = saved[:2]
+                if saved[2] is not None:
+                    pol.plan = saved[2]
                 probes.append(t)
         return due
 
     eng.next_step_due = checked
     res = sim.run(items)
-    assert len(probes) > 20 and res.summary["n_requests"] == 60
+    assert len(probes) > 20 and res.summary["n_requests"] == n
 
 
-def test_dynamic_launches_early_for_a_deadline_at_the_due_time() -> None:
-    """dynamic launches when waiting longer would leave a deadline less than the expected
-    batch service time; the due time the engine reports is exactly that moment."""
-    cfg = config("dynamic")
-    cfg = EngineConfig(cache=cfg.cache, queue=cfg.queue, scheduler=SchedulerConfig(
-        policy="dynamic", max_num_seqs=16, max_num_batched_tokens=96, window_min_ms=100.0, window_max_ms=100.0))
-    sim = Simulator(cfg, COST, num_blocks=BLOCKS, record_batches=True)
-    sim.engine.scheduler.policy.service_ms = 50.0  # as if measured on earlier batches
-    res = sim.run([WorkItem(0.0, 8, None, None, 2, deadline_ms=80.0, deadline_kind="soft")])
-    assert res.batches[0][0] == pytest.approx(0.030)  # 80 ms deadline - 50 ms service, not the 100 ms window

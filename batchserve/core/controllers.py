@@ -1,13 +1,59 @@
-"""Feedback controllers for request-level batching: pure functions of stats.
+"""The request-level batch controller and its helpers: pure functions of what the policy measured.
 
-The dynamic policy keeps the stats (queue depth, an EWMA of arrival gaps, recent end-to-end
-latencies) and asks these functions for its next window and batch cap; nothing here keeps
-state or reads a clock, so each is tested alone.
+The dynamic policy keeps the measurements (arrival rate, recent output lengths, the engine's
+step-time model) and asks `plan_batch`, at each step while no batch runs, whether to launch
+one now and how many requests it takes. Nothing here keeps state or reads a clock.
+
+The control law. A batch of b requests with mean prompt p, launched now, is predicted to take
+
+    F(b) = k * step(b*p / k, b),  k = ceil(b*p / T)     its prefill: the members' first tokens
+    D(b) = step(b, b)                                   one decode step: their time per token
+    B(b) = F(b) + (L(b) - 1) * D(b)                     the whole batch, to its last result
+
+with T the step's token budget, step() the engine's latency model, and L(b) the longest of b
+outputs (the b/(b+1) quantile of recent output lengths, at most the members' max_tokens). A
+request that has waited w meets its targets in that batch when every target that is set holds:
+
+    w + F(b) <= ttft,   D(b) <= tpot,   w + B(b) <= e2e     (e2e: the tighter of the SLO and its deadline)
+
+Size. The batch takes the first min(d, c) waiting requests, where c is the largest size whose
+batch meets the targets for a request that has not waited at all (at most the cap; 1 if none):
+
+    c = max{ b <= cap : F(b) <= ttft, D(b) <= tpot, B(b) <= e2e }
+
+A larger batch would make every member miss; a smaller one leaves requests behind for a whole
+batch, which costs them more than the larger batch saves its members wherever a batch's time
+grows more slowly than its size (up to the throughput knee, which bounds the cap when a profile
+gives one).
+
+Launch now, with those b, when any of
+
+    d >= c                         the queue alone fills a batch
+    it keeps pace                  without targets: d >= B(b) / gap, fewer arrive while it runs
+                                   than it serves; with targets: a request arriving now would
+                                   still meet them in the next batch (of about B(b) / gap), so
+                                   waiting for it gains nothing
+    a member would be late         one that meets its targets now would miss them by waiting
+                                   for the next arrival: one gap longer, in a batch of b + 1
+    w_1 >= window_max              nobody waits for company longer than that
+
+where gap = max(mean arrival gap, time since the last arrival), so that a silence counts as
+the slowing it is. Otherwise wait for the next arrival, or until one of the rules would fire
+without it: the gap grows with the silence, the waits grow, and both times are exact. At a
+trickle a lone request goes at once; near saturation the batch fills to the size that keeps up,
+the fixed point b* = B(b*) / gap; past saturation every batch is full. While the latency model
+knows nothing it predicts 0 s, and every batch goes at once with all that waits.
+No target is assumed: one the machine cannot meet would only steer the batch away from the
+sizes that serve the most.
 """
 from __future__ import annotations
 
+import bisect
 import math
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+StepTime = Callable[[int, int], float]  # (tokens in the step, sequences in it) -> seconds
 
 
 def ewma(prev: float | None, x: float, alpha: float) -> float:
@@ -17,64 +63,139 @@ def ewma(prev: float | None, x: float, alpha: float) -> float:
     return x if prev is None else alpha * x + (1.0 - alpha) * prev
 
 
-def arrival_rate(mean_gap_s: float | None, since_last_s: float) -> float:
-    """Requests per second from the EWMA of inter-arrival gaps. A silence longer than the
-    mean gap counts as the gap, so the estimate decays when arrivals stop instead of
-    remembering the last burst forever."""
-    if mean_gap_s is None:
-        return 0.0
-    gap = max(mean_gap_s, since_last_s)
-    return math.inf if gap <= 0 else 1.0 / gap
+@dataclass(frozen=True)
+class Targets:
+    """Latency targets in seconds; None: not set."""
+
+    ttft: float | None = None
+    tpot: float | None = None
+    e2e: float | None = None
+
+    @property
+    def any(self) -> bool:
+        return self.ttft is not None or self.tpot is not None or self.e2e is not None
 
 
-def adaptive_window(queue_depth: int, arrival_rate: float, bounds: tuple[float, float],
-                    slo_left_ms: float = math.inf, target_batch: int = 32) -> float:
-    """The collection window in ms.
+@dataclass(frozen=True)
+class BatchTimes:
+    """F(b), D(b) and B(b) of the control law, in seconds."""
 
-    Wait about as long as the arrival rate needs to fill the rest of a `target_batch`
-    batch: a deep queue or fast arrivals give a short window (at least bounds[0]), slow
-    arrivals a long one (at most bounds[1]). The SLO has the last word: the window never
-    exceeds `slo_left_ms`, the time the oldest waiting request can still spend waiting,
-    even if that is below bounds[0].
-    """
-    lo, hi = bounds
-    if lo < 0 or hi < lo:
-        raise ValueError(f"bad window bounds {bounds}")
-    missing = target_batch - queue_depth
-    if missing <= 0:
-        w = lo
-    elif arrival_rate <= 0:
-        w = hi
+    first: float
+    decode: float
+    total: float
+
+
+def longest_of(b: int, outputs: Sequence[int]) -> int:
+    """The expected longest of b outputs drawn from `outputs` (sorted): its b/(b+1) quantile."""
+    if not outputs:
+        return 1
+    return outputs[min(len(outputs) - 1, int(len(outputs) * b / (b + 1)))]
+
+
+def batch_times(step: StepTime, b: int, prompt_len: float, longest: int, token_budget: int) -> BatchTimes:
+    tokens = max(1, round(b * prompt_len))
+    k = -(-tokens // max(1, token_budget))
+    first = k * step(-(-tokens // k), b)
+    decode = step(b, b)
+    return BatchTimes(first, decode, first + max(0, longest - 1) * decode)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """`plan_batch`'s answer: launch now with `size` members, or wait at most `wait_s`."""
+
+    launch: bool
+    size: int
+    wait_s: float
+
+
+def plan_batch(waits: Sequence[float], e2e: Sequence[float | None], times: Callable[[int], BatchTimes],
+               cap: int, mean_gap_s: float | None, since_s: float, targets: Targets, window_max_s: float) -> Plan:
+    """The control law in the module docstring. `waits` (seconds) and `e2e` (each request's
+    end-to-end target, None for none) are the waiting requests in queue order, at least the
+    first cap of them; `times(b)` gives F, D, B for a batch of b; the arrival gap is the
+    larger of `mean_gap_s` (None: no arrivals seen) and `since_s`, the time since the last.
+
+    When it waits, `wait_s` is exact: with no arrival the plan first says launch then (the gap
+    grows with the silence, so the batch comes to keep pace, or a member to be late)."""
+    d = len(waits)
+    if d == 0:
+        return Plan(False, 0, math.inf)
+    g = math.inf if mean_gap_s is None else mean_gap_s
+    gap = max(g, since_s)
+    c = slo_size(times, cap, targets)
+    size = min(d, c)
+    now_t, next_t = times(size), times(min(size + 1, c))
+    # the batch keeps pace once the gap reaches need: d >= B / gap; with targets, once a newcomer
+    # would still meet them in the next batch, of about B / gap requests
+    if targets.any:
+        n = _largest(lambda k: _meets(now_t.total, targets.e2e, times(k), targets), c)
+        need = 0.0 if n >= c else math.inf if n == 0 else now_t.total / n
     else:
-        w = 1000.0 * missing / arrival_rate
-    w = min(max(w, lo), hi)
-    return max(0.0, min(w, slo_left_ms))
+        need = now_t.total / d
+    members = [(w, e) for w, e in zip(waits[:size], e2e[:size]) if _meets(w, e, now_t, targets)]
+    margins = [_margin(w, e, next_t, targets) - gap for w, e in members]  # < 0: late
+    launch = d >= c or gap >= need or any(m < 0 for m in margins) or waits[0] >= window_max_s
+    if launch:
+        return Plan(True, size, 0.0)
+    wait = min(window_max_s - waits[0], need - since_s)
+    grow_at = max(0.0, g - since_s)  # the gap grows with the silence from then on
+    for m in margins:  # the margin closes at 1/s while the gap holds, at 2/s once it grows
+        wait = min(wait, m if m <= grow_at else grow_at + (m - grow_at) / 2)
+    return Plan(False, size, max(0.0, wait))
 
 
-def aimd_batch_cap(current: int, p99_ms: float, slo_ms: float, lo: int = 1, hi: int = 32,
-                   service_p99_ms: float | None = None, high_water: float = 0.9, low_water: float = 0.7,
-                   decrease: float = 0.75, increase: int = 1, service_share: float = 0.5) -> int:
-    """The next max batch size from measured P99 end-to-end latency against the SLO.
+def _largest(ok: Callable[[int], bool], top: int) -> int:
+    """The largest k in [1, top] with ok(k), for ok true up to some k and false past it; 0 if none."""
+    if not ok(1):
+        return 0
+    lo, hi = 1, top
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
+    return lo
 
-    Additive increase, multiplicative decrease: when P99 passes `high_water` x SLO the cap
-    is cut by `decrease` (32 -> 24, the seed's example); below `low_water` x SLO it grows by
-    `increase`; in between it holds (a dead band, so it does not oscillate every batch).
 
-    The batch size only controls the service part of the latency (launch to result). When
-    `service_p99_ms` shows that part is under `service_share` of the P99, the time is spent
-    queueing: a smaller batch would only lower throughput and lengthen the queue (plain AIMD
-    collapses to 1 under overload), so the cap grows instead, to drain the queue faster.
-    """
-    if not 1 <= lo <= hi:
-        raise ValueError(f"bad cap bounds [{lo}, {hi}]")
-    if p99_ms >= high_water * slo_ms:
-        queueing = service_p99_ms is not None and service_p99_ms < service_share * p99_ms
-        nxt = current + increase if queueing else min(current - 1, math.floor(current * decrease))
-    elif p99_ms < low_water * slo_ms:
-        nxt = current + increase
-    else:
-        nxt = current
-    return min(max(nxt, lo), hi)
+def _margin(w: float, e2e: float | None, t: BatchTimes, targets: Targets) -> float:
+    """How much longer a request that has waited w could wait and still meet its targets in a
+    batch of times t (-inf where its time per token already misses)."""
+    if targets.tpot is not None and t.decode > targets.tpot:
+        return -math.inf
+    m = math.inf
+    if targets.ttft is not None:
+        m = min(m, targets.ttft - w - t.first)
+    if e2e is not None:
+        m = min(m, e2e - w - t.total)
+    return m
+
+
+def _meets(w: float, e2e: float | None, t: BatchTimes, targets: Targets) -> bool:
+    return ((targets.ttft is None or w + t.first <= targets.ttft) and (targets.tpot is None or t.decode <= targets.tpot)
+            and (e2e is None or w + t.total <= e2e))
+
+
+def slo_size(times: Callable[[int], BatchTimes], top: int, targets: Targets) -> int:
+    """The largest b <= top whose batch meets the targets for a request that has not waited
+    (1 when none does): a larger batch would make every member miss."""
+    if not targets.any:
+        return top
+    return max(1, _largest(lambda b: _meets(0.0, targets.e2e, times(b), targets), top))
+
+
+class SortedWindow:
+    """The last `size` values of a stream, kept sorted (for `longest_of`)."""
+
+    def __init__(self, size: int = 256) -> None:
+        self.size = size
+        self._order: list[int] = []
+        self.values: list[int] = []
+
+    def add(self, x: int) -> None:
+        self._order.append(x)
+        bisect.insort(self.values, x)
+        if len(self._order) > self.size:
+            old = self._order.pop(0)
+            del self.values[bisect.bisect_left(self.values, old)]
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -59,7 +59,7 @@ class SweepSpec:
         return SweepSpec(name, values)
 
 
-def sweep(spec: SweepSpec, config: EngineConfig, cost: CostModel, workload: dict[str, Any], slo_ms: float,
+def sweep(spec: SweepSpec, config: EngineConfig, cost: CostModel, workload: dict[str, Any], slo_ms: float | None,
           slo: SLO | None = None, class_slo: dict[str, SLO] | None = None
           ) -> tuple[list[dict[str, Any]], dict[str, Any] | None, list[SimResult]]:
     """Run every value; the best is, among runs whose P99 end-to-end latency meets `slo_ms`
@@ -83,7 +83,7 @@ def sweep(spec: SweepSpec, config: EngineConfig, cost: CostModel, workload: dict
                      "output_tokens_per_s": s["output_tokens_per_s"],
                      "e2e_p50_ms": s["latency"]["e2e_ms"]["p50"], "e2e_p99_ms": p99,
                      "ttft_p99_ms": s["latency"]["ttft_ms"]["p99"], "completed": done,
-                     "meets_slo": p99 is not None and p99 <= slo_ms and done >= 0.99})
+                     "meets_slo": p99 is not None and (slo_ms is None or p99 <= slo_ms) and done >= 0.99})
     ok = [r for r in rows if r["meets_slo"]]
     key = (lambda r: r["rate"]) if spec.field == "rate" else (lambda r: (r["goodput_rps"], -r["e2e_p99_ms"]))
     return rows, (max(ok, key=key) if ok else None), results
