@@ -187,9 +187,10 @@ async def _saturate(url: str, workers: int, seconds: float, rng: np.random.Gener
             while time.monotonic() - t0 < seconds:
                 w = work(np.zeros(1), rng)[0]
                 body = {"model": model, "prompt": w.prompt_token_ids, "max_tokens": w.max_tokens,
-                        "ignore_eos": True, "temperature": 0.0}
+                        "ignore_eos": True, "temperature": 0.0, "stream": True}  # streamed, as the soak
                 async with s.post(url + "/v1/completions", json=body) as resp:
-                    await resp.read()
+                    async for _ in resp.content:
+                        pass
                     if resp.status == 200:
                         ends.append(time.monotonic() - t0)
                     else:
