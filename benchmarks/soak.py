@@ -217,8 +217,8 @@ def measure_capacity(url: str, workers: int, seconds: float, rng: np.random.Gene
 
 
 async def _storm(url: str, n: int, max_tokens: int, first_s: float) -> dict[str, Any]:
-    """Start `n` streams, wait until each has a token (or ended: refused), close them all at
-    once, then poll until no KV block is in use."""
+    """Start `n` streams, wait up to `first_s` until each has a token (a refused one asks again
+    after its Retry-After), close them all at once, then poll until no KV block is in use."""
     timeout = aiohttp.ClientTimeout(total=None, connect=10.0, sock_read=60.0)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as s:
         model = await discover_model(s, url)
