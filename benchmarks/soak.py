@@ -174,9 +174,11 @@ def send(url: str, items: list[WorkItem], timeout_s: float, progress: bool = Fal
     return run(items, cfg)
 
 
-async def _saturate(url: str, workers: int, seconds: float, rng: np.random.Generator) -> list[float]:
-    """`workers` clients sending back to back for `seconds` (after a 503, again once its
-    Retry-After or a quarter second has passed, whichever is sooner); the times answers came."""
+async def _saturate(url: str, workers: int, seconds: float, rng: np.random.Generator) -> tuple[list[float], float]:
+    """`workers` clients sending back to back (after a 503, again once its Retry-After or a
+    quarter second has passed, whichever is sooner) for `seconds`, and longer while the first
+    answer came later than a third of the way (an answer takes long at a full batch), at most
+    ten times `seconds`; the times answers came, and how long it ran."""
     ends: list[float] = []
     timeout = aiohttp.ClientTimeout(total=None, connect=10.0, sock_read=300.0)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as s:
@@ -184,7 +186,7 @@ async def _saturate(url: str, workers: int, seconds: float, rng: np.random.Gener
         t0 = time.monotonic()
 
         async def worker() -> None:
-            while time.monotonic() - t0 < seconds:
+            while not stop.is_set():
                 w = work(np.zeros(1), rng)[0]
                 body = {"model": model, "prompt": w.prompt_token_ids, "max_tokens": w.max_tokens,
                         "ignore_eos": True, "temperature": 0.0, "stream": True}  # streamed, as the soak
@@ -196,24 +198,27 @@ async def _saturate(url: str, workers: int, seconds: float, rng: np.random.Gener
                     else:
                         await asyncio.sleep(min(0.25, float(resp.headers.get("Retry-After", 1))))
 
+        stop = asyncio.Event()
         tasks = [asyncio.create_task(worker()) for _ in range(workers)]
-        await asyncio.sleep(seconds)
+        while (ran := time.monotonic() - t0) < 10 * seconds and (ran < seconds or not ends or ends[0] > ran / 3):
+            await asyncio.sleep(0.5)
+        stop.set()
         for t in tasks:  # those still waiting are cut off: the drain afterwards waits for the aborts
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    return ends
+    return ends, ran
 
 
 def measure_capacity(url: str, workers: int, seconds: float, rng: np.random.Generator) -> float:
     """Answers per second of a saturated server: `workers` closed-loop clients, counted over the
-    last two thirds of `seconds` (the first third fills the batch). Not a burst: one bigger than
+    last two thirds of the run (the first third fills the batch). Not a burst: one bigger than
     the queue cap is mostly refused, and measures a small batch."""
-    ends = asyncio.run(_saturate(url, workers, seconds, rng))
-    counted = [t for t in ends if t >= seconds / 3]
-    if not counted:
-        raise RuntimeError(f"capacity: nothing answered in the last {2 * seconds / 3:.0f} s")
+    ends, ran = asyncio.run(_saturate(url, workers, seconds, rng))
+    counted = [t for t in ends if t >= ran / 3]
     drain(url)
-    return len(counted) / (2 * seconds / 3)
+    if not counted:
+        raise RuntimeError(f"capacity: nothing answered in {ran:.0f} s")
+    return len(counted) / (2 * ran / 3)
 
 
 async def _storm(url: str, n: int, max_tokens: int, first_s: float) -> dict[str, Any]:
