@@ -1,12 +1,14 @@
 """`serve --ray` end to end on a local Ray: real replicas of the default model behind real HTTP.
 
 One local Ray for the module (8 logical CPUs on this 2-core machine, so that every fixture's
-actors fit at once); two replicas serve the first tests, a prefill + decode pair the
-disaggregated one. The replica-death test runs last
-among the replica tests: it kills a replica and waits for Ray to bring it back.
+actors fit at once); two replicas serve the first tests, two narrow ones (two seats each, so
+that requests queue) the count of a replica killed under load, a prefill + decode pair the
+disaggregated one. The replica-death tests run last among the replica tests: each kills a
+replica and waits for Ray to bring it back.
 """
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,7 +17,7 @@ import openai
 import pytest
 import ray
 
-from batchserve.config import CacheConfig, EngineConfig
+from batchserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from batchserve.distributed.router import RayEngineClient
 from batchserve.request import SamplingParams
 from tests.server_helpers import MODEL, start_server
@@ -44,6 +46,17 @@ def expected(llm):
 @pytest.fixture(scope="module")
 def replicated(local_ray):
     client = RayEngineClient(CONFIG, replicas=2, replica_cpus=1.0, seed=0)
+    server = start_server(client, timeout=300)
+    yield server, client
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def narrow(local_ray):
+    """Two replicas of two seats each: under load most of a replica's requests wait in its
+    queue, where the client has seen nothing of them."""
+    config = EngineConfig(cache=CacheConfig(kv_cache_gb=0.1), scheduler=SchedulerConfig(max_num_seqs=2))
+    client = RayEngineClient(config, replicas=2, replica_cpus=1.0, seed=0)
     server = start_server(client, timeout=300)
     yield server, client
     server.stop()
@@ -138,6 +151,89 @@ def test_killing_a_replica_loses_no_request_and_ray_restarts_it(replicated):
     before = victim.routed
     ask_all(server.url, QUESTIONS[:4], max_tokens=4)
     assert victim.routed > before  # back in the rotation
+
+
+def _stream(url: str, i: int, max_tokens: int) -> dict:
+    """One streamed completion: its id, when each text chunk came, its error event, the tokens
+    its usage chunk counts, whether it ended with [DONE]."""
+    out: dict = {"times": [], "error": None, "done": False, "id": None, "tokens": None}
+    body = {"model": MODEL, "prompt": f"Tale {i}: in a far land", "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        out["status"] = r.status_code
+        for line in r.iter_lines():
+            if line == "data: [DONE]":
+                out["done"] = True
+            elif line.startswith("data: {"):
+                obj = json.loads(line[6:])
+                out["id"] = out["id"] or obj.get("id")
+                if "error" in obj:
+                    out["error"] = obj["error"]["message"]
+                elif any(c.get("text") for c in obj.get("choices") or []):
+                    out["times"].append(time.monotonic())
+                if obj.get("usage"):
+                    out["tokens"] = obj["usage"]["completion_tokens"]
+    return out
+
+
+def _whole(url: str, i: int, max_tokens: int) -> dict:
+    r = httpx.post(url + "/v1/completions", timeout=120, json={
+        "model": MODEL, "prompt": f"Fable {i}: a fox and", "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True})
+    return {"status": r.status_code, **r.json()}
+
+
+def test_a_replica_killed_under_load_loses_nothing_and_unseen_requests_are_placed_again(narrow):
+    """Requests, half of them streamed, on replicas with few seats; one replica is killed while
+    it streams and queues. Counted: every request ends answered or with the router's
+    error; only streams whose client had a chunk fail; each request the victim held whose
+    client had seen nothing is placed again and answered in full; the survivor frees every block."""
+    server, client = narrow
+    n, max_tokens = 12, 32
+    retries0, failures0 = client.retries, client.replica_failures
+    with ThreadPoolExecutor(n) as pool:
+        futures = [pool.submit(_stream if i % 2 else _whole, server.url, i, max_tokens) for i in range(n)]
+        victim, end = None, time.monotonic() + 60
+        while victim is None and time.monotonic() < end:
+            for r in client.replicas:
+                held = [t for t in list(client._tracks.values()) if t.replica == r.key]
+                if any(t.stream.seen for t in held) and sum(not t.delivered for t in held) >= 2:
+                    victim = r
+                    break
+            time.sleep(0.005)
+        assert victim is not None, "no replica was both streaming and queueing"
+        held = [t for t in list(client._tracks.values()) if t.replica == victim.key]
+        queued = {t.rid for t in held if not t.delivered}  # nothing produced yet: cannot finish in time
+        ray.kill(victim.handle, no_restart=False)
+        results = [f.result(timeout=180) for f in futures]
+    streams, wholes = results[1::2], results[0::2]
+    assert all(w["status"] == 200 and w["choices"][0]["finish_reason"] == "length"
+               and w["usage"]["completion_tokens"] == max_tokens for w in wholes), wholes  # none seen: none lost
+    failed = [s for s in streams if s["error"] is not None]
+    for s in streams:
+        assert s["status"] == 200 and s["done"], s  # every stream ended, with [DONE]
+        if s["error"] is None:
+            assert s["tokens"] == max_tokens, s  # (a chunk may carry more than one token)
+        else:  # only a stream whose client had output may fail
+            assert "replica" in s["error"] and "died" in s["error"], s
+            assert s["times"], s
+    answered = {w["id"] for w in wholes} | {s["id"] for s in streams if s["error"] is None}
+    assert queued <= answered  # what the victim queued was placed again and answered
+    retried = client.retries - retries0
+    assert len(queued) <= retried and retried + len(failed) <= len(held), (queued, retried, len(failed), len(held))
+    assert client.replica_failures == failures0 + 1
+    text = httpx.get(server.url + "/metrics").text
+    assert f"batchserve:router_retries_total {client.retries}" in text
+    survivor = next(r for r in client.replicas if r is not victim)
+    end = time.monotonic() + 10
+    while time.monotonic() < end and not (survivor.stats and survivor.stats.running == 0
+                                          and survivor.stats.kv_free_blocks == survivor.stats.kv_blocks):
+        time.sleep(0.05)
+    assert survivor.stats.kv_free_blocks == survivor.stats.kv_blocks, "the survivor kept KV blocks"
+    end = time.monotonic() + 180
+    while time.monotonic() < end and not victim.up:
+        time.sleep(0.2)
+    assert victim.up, "Ray did not restart the replica"
 
 
 def test_disaggregated_prefill_decode_matches_one_engine(disaggregated, expected):
