@@ -361,8 +361,7 @@ def report(r: dict[str, Any], cmdline: str) -> str:
               + f" ({st['refusals_before_start']} 503s on the way in, each waited out; {st['no_first_token']} "
               "without a first token in time). "
               f"KV blocks in use after the storm: {r['leaked_blocks_after_storm']}; resident memory "
-              f"{r['rss_after_storm_mib']:.0f} MiB.", "",
-              "```json", json.dumps(r), "```", ""]
+              f"{r['rss_after_storm_mib']:.0f} MiB.", ""]
     return "\n".join(lines)
 
 
