@@ -327,10 +327,11 @@ def _load_gguf(path: str) -> LoadedModel:
 
 
 def _gguf_tokenizer(path: str) -> Any:
-    """The tokenizer (and chat template) a GGUF file carries."""
-    from transformers import AutoTokenizer
+    """The tokenizer (and chat template) a GGUF file carries, converted once and cached
+    (runner/tokenizer.py)."""
+    from batchserve.runner.tokenizer import gguf_tokenizer
 
-    return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+    return gguf_tokenizer(path)
 
 
 def _dequantized(dequantize: Callable, t: Any, heads: int | None, minus_one: bool) -> torch.Tensor:
