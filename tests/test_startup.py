@@ -30,3 +30,15 @@ def test_zeroed_takes_no_resident_memory_until_written():
     assert _rss_bytes() - before < 32 * 2**20
     z[:16].fill_(1)  # the blocks written are the memory used
     assert 8 * 2**20 < _rss_bytes() - before < 64 * 2**20
+
+
+def test_warm_up_is_short_and_seeds_the_latency_model_with_mixed_steps(make_fake_engine):
+    eng = make_fake_engine(num_blocks=64)
+    eng.warm_up()
+    shapes = [(sum(len(s.token_ids) for s in b.seqs), len(b.seqs)) for b in eng.executor.batches]
+    assert shapes[:3] == [(32, 1), (1, 1), (1, 1)]  # the forgotten round: a prompt, then decodes
+    seeded = shapes[3:]
+    assert len(seeded) == 10 == eng.scheduler.latency.num_samples and eng.scheduler.latency.ready
+    assert seeded[:5] == [(32, 1), (33, 2), (34, 3), (35, 4), (11, 4)]  # each prompt joins the decodes
+    assert seeded[-1] == (1, 1) and len(set(seeded)) >= 6
+    assert not eng.has_unfinished and eng.scheduler.num_steps == 0 and eng.num_generated_tokens == 0
