@@ -131,3 +131,11 @@ def test_lazy_weights_convert_lazily_and_from_what_was_made():
     assert torch.equal(half["a"], first.half()) and calls == ["a"]  # converted from the one made
     assert half["b"].dtype == torch.float16 and calls == ["a", "b"]
     assert "b" not in w._made  # the converted view does not keep the float32 one too
+
+
+@pytest.mark.parametrize("kind", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0])
+def test_dequantize_in_row_chunks_equals_gguf_dequantize(kind, monkeypatch):
+    monkeypatch.setattr(loader, "_DEQUANT_ROWS", 3)  # several chunks, the last one short
+    raw = _quantized(np.random.default_rng(2).standard_normal((10, 256)), kind)
+    got = loader._dequantize(gguf.dequantize, raw, kind)
+    assert got.dtype == np.float32 and np.array_equal(got, gguf.dequantize(raw, kind))
