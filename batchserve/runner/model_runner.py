@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import logging
 import math
+import mmap
 import time
 
-import numpy as np
 import torch
 
 from batchserve.config import CacheConfig, ModelConfig, kv_cache_dtype_name
@@ -37,16 +37,19 @@ def kv_bytes_per_block(loaded_cfg, block_size: int, dtype: torch.dtype) -> int:
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """torch.zeros(shape), without writing the zeros on the CPU: a large calloc comes as fresh
-    pages the OS already zeroed, so a KV cache costs neither the time to fill it (a gigabyte
-    is a good part of a second) nor resident memory until its blocks are first written. Aligned
-    to 64 bytes, as torch's own CPU allocations are."""
+    """torch.zeros(shape), without writing the zeros on the CPU: an anonymous memory mapping is
+    zero pages the OS fills in on first write, so a KV cache costs neither the time to fill it
+    at start (a gigabyte by default) nor resident memory before its blocks are first used; each
+    block's first write pays its page faults instead, in the step that writes it. The mapping
+    keeps the ordinary 4 KiB pages (page-aligned, no huge-page advice): a transparent huge page
+    would fault 2 MB in at once in the middle of a step."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    buf = np.zeros(nbytes + 64, dtype=np.uint8)
-    start = -buf.ctypes.data % 64
-    return torch.from_numpy(buf[start:start + nbytes]).view(dtype).view(shape)
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, nbytes)  # the tensor keeps it alive
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def cpp_attention_wanted(model_cfg: ModelConfig, weight_dtype: torch.dtype) -> bool:
