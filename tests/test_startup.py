@@ -42,27 +42,3 @@ def test_warm_up_is_short_and_seeds_the_latency_model_with_mixed_steps(make_fake
     assert seeded[:5] == [(32, 1), (33, 2), (34, 3), (35, 4), (11, 4)]  # each prompt joins the decodes
     assert seeded[-1] == (1, 1) and len(set(seeded)) >= 6
     assert not eng.has_unfinished and eng.scheduler.num_steps == 0 and eng.num_generated_tokens == 0
-
-
-def test_started_runs_the_factory_at_once_and_hands_over_its_result_or_error():
-    import threading
-
-    from batchserve.server.run import started
-
-    began, go = threading.Event(), threading.Event()
-
-    def load():
-        began.set()
-        go.wait(5)
-        return "engine"
-
-    result = started(load)
-    assert began.wait(5)  # running before anyone asks for it
-    go.set()
-    assert result() == "engine" and result() == "engine"
-
-    def fail():
-        raise ValueError("no model")
-
-    with pytest.raises(ValueError, match="no model"):
-        started(fail)()

@@ -164,7 +164,7 @@ def test_serve_stops_and_exits_1_when_the_engine_dies() -> None:
     import uvicorn
 
     from batchserve.server.app import create_app
-    from batchserve.server.draining import DrainingServer
+    from batchserve.server.run import DrainingServer
 
     app = create_app(fake_engine(), ServerConfig(), MODEL)
     state = app.state.server

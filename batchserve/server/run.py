@@ -13,20 +13,50 @@ or field: `loader.check_model`), else as soon as the background load fails.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import signal
 import sys
-import threading
-from concurrent.futures import Future
-from typing import TYPE_CHECKING, Callable, TypeVar
+from types import FrameType
 
+import uvicorn
+
+from batchserve.server.app import ServerState, create_app
 from batchserve.server.config import load_configs, model_name
-
-if TYPE_CHECKING:
-    from batchserve.server.app import ServerState
-
-T = TypeVar("T")
+from batchserve.server.connections import uvicorn_config
 
 log = logging.getLogger(__name__)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose first SIGTERM drains the app before shutting down."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, grace_s: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.grace_s = grace_s
+        self._drain_task: asyncio.Task | None = None
+        state.on_fatal = self._fatal
+
+    def _fatal(self) -> None:
+        """The engine died: stop serving now (no drain: nothing could finish)."""
+        self.should_exit = True
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        loop = self.state.loop
+        if sig != signal.SIGTERM or self.state.draining or loop is None:
+            super().handle_exit(sig, frame)
+            return
+        self.state.draining = True  # before anything else: no request is admitted from here on
+        loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        await self.state.drain(self.grace_s)
+        log.info("drained; shutting down")
+        self.should_exit = True
 
 
 def ray_client(a: argparse.Namespace, engine_cfg, server_cfg):
@@ -53,11 +83,7 @@ def serve(a: argparse.Namespace) -> int:
             print(f"error: the model cannot be loaded: {e}", file=sys.stderr)
             return 1
     source = ray_client(a, engine_cfg, server_cfg) if getattr(a, "ray", False) else \
-        started(lambda: LLMEngine.from_config(engine_cfg))
-    from batchserve.server.app import create_app  # while the model loads (see started)
-    from batchserve.server.connections import uvicorn_config
-    from batchserve.server.draining import DrainingServer
-
+        (lambda: LLMEngine.from_config(engine_cfg))
     app = create_app(source, server_cfg, model_name(engine_cfg.model.model))
     state: ServerState = app.state.server
     config = uvicorn_config(app, server_cfg, log_level=a.log_level.lower(), timeout_graceful_shutdown=5)
@@ -65,25 +91,6 @@ def serve(a: argparse.Namespace) -> int:
              state.model_name, server_cfg.host, server_cfg.port)
     DrainingServer(config, state, server_cfg.grace_period_s).run()
     return exit_status(state)
-
-
-def started(factory: Callable[[], T]) -> Callable[[], T]:
-    """`factory` already running, on a thread of its own; the callable returned waits for it and
-    returns what it returned or raises what it raised. `serve` gives this to the engine thread
-    as the engine's source, so that the model loads while the HTTP server's modules are imported
-    and the app and server are built: those need the interpreter for most of a second, the load
-    mostly does not (its packing and warm-up steps run in C++ without the GIL). The thread is a
-    daemon, as the engine thread is: a server stopped while loading does not wait for the load."""
-    fut: Future = Future()
-
-    def run() -> None:
-        try:
-            fut.set_result(factory())
-        except BaseException as e:  # noqa: BLE001 - handed to whoever waits
-            fut.set_exception(e)
-
-    threading.Thread(target=run, name="batchserve-load", daemon=True).start()
-    return fut.result
 
 
 def exit_status(state: ServerState) -> int:
