@@ -6,8 +6,7 @@ and where that time goes.
 Each run starts `python -m batchserve serve` with the default model on a free port, polls
 /health every 20 ms and stops the server once it answers 200; the runs' median and range are
 reported. The breakdown is one more process that takes the steps `serve` takes, one after
-another, timing each; `serve` overlaps the load with importing and building the HTTP server, so
-its time to /health can be less than the breakdown's total. Kernels not built yet are built
+another, timing each (uvicorn's start and the polling are not in it). Kernels not built yet are built
 first, outside the timing (a first start is not what this measures), and a first start that
 writes the tokenizer cache is not counted.
 """
@@ -94,11 +93,6 @@ def phases() -> list[tuple[str, float]]:
     mark("import torch")
     import batchserve.server.app  # noqa: F401
     import batchserve.server.run  # noqa: F401
-
-    try:
-        import batchserve.server.draining  # noqa: F401 - uvicorn's server, where serve has it apart
-    except ImportError:
-        pass
 
     mark("import the server (fastapi, uvicorn, the app)")
     from batchserve.config import EngineConfig
