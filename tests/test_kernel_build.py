@@ -42,5 +42,10 @@ def test_build_all_builds_every_kernel_at_once_and_says_what_is_left(monkeypatch
     assert most[0] == len(kernels.KERNELS)  # all three at the same time
     assert ok == {"batchserve_paged_attention": True, "batchserve_fused_ops": True, "batchserve_gemm": False}
     text = caplog.text
-    assert "building 3 C++ kernels at once" in text and "still building: C++ panel GEMM" in text
+    assert "building 3 C++ kernels at once" in text
+    assert "C++ paged attention built (1/3" in text or "C++ paged attention built (2/3" in text
+    assert "2/3 built; still building C++ panel GEMM" in text  # the slowest, named while it is left
+    assert "C++ panel GEMM unavailable (3/3" in text and "C++ kernels ready in" in text
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines.index(next(m for m in lines if "(3/3" in m)) > lines.index(next(m for m in lines if "(1/3" in m))
     assert kernels.build_all() == ok  # built: nothing is started again

@@ -281,19 +281,23 @@ class LLMEngine:
                        deadline_ms=deadline_ms, deadline_kind=deadline_kind, eos_token_id=self.eos_token_id)
 
     def warm_up(self, rounds: int = 2) -> None:
-        """Run a few synthetic requests before serving: five short prompts, each joining the
-        batch a step after the last, once the queue is empty (so no cap is in the way), until all are done,
-        the last one alone. The first round pays the one-time costs of the first steps and is
-        forgotten; the steps of the last seed the latency model, so the first real request with
-        a hard deadline is judged on measured step times (refused at once when it cannot make
-        it) instead of admitted blind. Nothing of it stays: no request, block or counter."""
+        """Run a few synthetic requests before serving. Each round but the last runs one short
+        request (a prompt step, then decodes), which pays the one-time costs of the first steps
+        and is forgotten. The last runs five short prompts, each joining the batch a step after
+        the last, once the queue is empty (so no cap is in the way), until all are done, the last
+        one alone: ten steps of mixed shapes (prompts with decodes, decodes of one to four
+        sequences), which seed the latency model, so the first real request with a hard deadline
+        is judged on measured step times (refused at once when it cannot make it) instead of
+        admitted blind. As few steps as that takes, since the server is not ready until they
+        are done. Nothing of it stays: no request, block or counter."""
         sched = self.scheduler
         vocab = getattr(getattr(self.executor, "cfg", None), "vocab_size", None) or 1000
         for r in range(rounds):
-            if r == rounds - 1 and hasattr(sched.latency, "clear"):
+            last = r == rounds - 1
+            if last and hasattr(sched.latency, "clear"):
                 sched.latency.clear()  # a profiled model keeps its fit; it does not learn online
                 sched.deadlines.forget_steps()
-            shapes = [(32, 6)] * 4 + [(8, 10)]
+            shapes = [(32, 4)] * 4 + [(8, 6)] if last else [(32, 3)]  # (prompt tokens, output tokens)
             for i, (n_prompt, n_out) in enumerate(shapes):
                 while len(sched.waiting):  # a seat cap of one, or a queue cap of one: wait for it
                     self.step()

@@ -84,7 +84,11 @@ class Compiler:
                 import llguidance.hf
 
                 try:
-                    self._ll = llguidance.hf.from_tokenizer(self._tok, n_vocab=self._vocab, eos_token=self._eos)
+                    from batchserve.runner.tokenizer import FastTokenizer
+
+                    # llguidance reads a transformers tokenizer: a FastTokenizer's own
+                    tok = self._tok.hf if isinstance(self._tok, FastTokenizer) else self._tok
+                    self._ll = llguidance.hf.from_tokenizer(tok, n_vocab=self._vocab, eos_token=self._eos)
                 except ValueError:  # not a fast (Rust) Hugging Face tokenizer
                     raise RequestError(field, "structured outputs need a fast Hugging Face tokenizer; this "
                                        f"model's is a {type(self._tok).__name__}") from None

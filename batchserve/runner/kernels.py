@@ -11,8 +11,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import threading
+import queue
 import sys
+import threading
 import time
 from types import ModuleType
 
@@ -21,6 +22,7 @@ log = logging.getLogger(__name__)
 _locks: dict[str, threading.Lock] = {}  # one per kernel: kernels build at the same time
 _locks_lock = threading.Lock()
 _cached: dict[str, ModuleType | None] = {}
+_announced: set[str] = set()  # kernels whose build build_all has already told of
 # name -> (source, what it is called in the log)
 KERNELS = {"batchserve_paged_attention": ("paged_attention.cpp", "C++ paged attention"),
            "batchserve_fused_ops": ("fused_ops.cpp", "C++ fused layer ops"),
@@ -53,24 +55,41 @@ def _get(name: str) -> ModuleType | None:
 
 def build_all(every_s: float = 15.0) -> dict[str, bool]:
     """Build (or load) every kernel at once, one thread each — the compilers run as processes
-    — logging which are still building every `every_s` seconds. Whether each is usable."""
+    — saying on a first start what it builds, each kernel as it is done ("2/3") and, every
+    `every_s` seconds, which are still building. Whether each is usable."""
     todo = [n for n in KERNELS if n not in _cached]
     if todo:
-        fresh = [KERNELS[n][1] for n in todo if not _built(n)]
+        fresh = [n for n in todo if not _built(n)]
+        _announced.update(fresh)  # said here, not again by _build
         if fresh:
-            log.info("building %d C++ kernels at once (first start of this version; a few minutes): %s",
-                     len(fresh), ", ".join(fresh))
-        threads = {n: threading.Thread(target=_get, args=(n,), daemon=True) for n in todo}
+            log.info("building %d C++ kernel%s at once (first start of this version; a few minutes): %s", len(fresh),
+                     "s" if len(fresh) > 1 else "", ", ".join(KERNELS[n][1] for n in fresh))
+        finished: queue.SimpleQueue[str] = queue.SimpleQueue()
+
+        def build(name: str) -> None:
+            try:
+                _get(name)
+            finally:
+                finished.put(name)
+
         t0 = time.monotonic()
-        for t in threads.values():
-            t.start()
-        for n, t in threads.items():
-            while True:
-                t.join(every_s)
-                if not t.is_alive():
-                    break
-                left = [KERNELS[m][1] for m, u in threads.items() if u.is_alive()]
-                log.info("still building: %s (%.0f s)", ", ".join(left), time.monotonic() - t0)
+        for n in todo:
+            threading.Thread(target=build, args=(n,), daemon=True, name=f"build-{n}").start()
+        left, done = set(todo), 0
+        while left:
+            try:
+                name = finished.get(timeout=every_s)
+            except queue.Empty:
+                if fresh:
+                    log.info("%d/%d built; still building %s (%.0f s)", done, len(fresh),
+                             ", ".join(KERNELS[n][1] for n in todo if n in left), time.monotonic() - t0)
+                continue
+            left.discard(name)
+            if name in fresh:
+                done += 1
+                log.info("%s %s (%d/%d, %.0f s)", KERNELS[name][1],
+                         "built" if _cached.get(name) is not None else "unavailable", done, len(fresh),
+                         time.monotonic() - t0)
         if fresh:
             log.info("C++ kernels ready in %.0f s", time.monotonic() - t0)
     return {n: _cached.get(n) is not None for n in KERNELS}
@@ -130,10 +149,10 @@ def _build(name: str, source: str, what: str) -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import _get_build_directory, load
 
-        name = _versioned(name)
+        base, name = name, _versioned(name)
         build_dir = _get_build_directory(name, False)
         clear_stale_lock(build_dir)
-        if not os.path.exists(os.path.join(build_dir, f"{name}.so")):
+        if not os.path.exists(os.path.join(build_dir, f"{name}.so")) and base not in _announced:
             log.info("building the %s (first start of this version: a minute or two)", what)
         return load(name=name, sources=[os.path.join(_HERE, source)], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
                     verbose=False)

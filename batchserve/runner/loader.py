@@ -8,11 +8,14 @@ it never loads to answer wrongly.
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib.util
 import json
 import logging
 import math
 import os
+import struct
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +23,7 @@ import numpy as np
 import torch
 
 from batchserve.config import DEFAULT_MODEL, ModelConfig
+from batchserve.runner.gguf_file import GGUFFile, read_gguf
 from batchserve.runner.models.config import SUPPORTED_MODEL_TYPES, LlamaConfig, UnsupportedModelError, check_rope
 from batchserve.runner.models.llama import expected_weights
 
@@ -34,7 +38,7 @@ class ModelLoadError(RuntimeError):
     """The model could not be found or read, or is not supported; the message says why."""
 
 
-def check_weights(cfg: LlamaConfig, weights: dict[str, torch.Tensor], where: str) -> None:
+def check_weights(cfg: LlamaConfig, weights: Mapping[str, torch.Tensor], where: str) -> None:
     """ModelLoadError unless `weights` holds exactly the tensors `cfg` implies (expected_weights):
     a missing one leaves part of the model undefined, an extra one (say, a bias the config does
     not declare) would be ignored and every answer wrong."""
@@ -54,14 +58,50 @@ def check_weights(cfg: LlamaConfig, weights: dict[str, torch.Tensor], where: str
 GGUF_BLOCK_FORMATS = {"Q4_1": 0, "Q8_0": 1, "Q4_0": 2, "Q4_K": 3, "Q6_K": 4}
 
 
+class LazyWeights(Mapping):
+    """Tensors by name, each made when first asked for and then kept. A GGUF file's matrices
+    that the runner multiplies from their blocks (LoadedModel.quantized) are never asked for,
+    so loading spends neither the time nor the memory to dequantize them; any that are (the
+    embeddings, the norms, a dense fallback, a test comparing against them) come out exactly
+    as an eager load would have made them."""
+
+    def __init__(self, makers: dict[str, Callable[[], torch.Tensor]]) -> None:
+        self._makers = makers
+        self._made: dict[str, torch.Tensor] = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        t = self._made.get(name)
+        if t is None:
+            t = self._made[name] = self._makers[name]()
+        return t
+
+    def __contains__(self, name: object) -> bool:  # Mapping's would make the tensor to find out
+        return name in self._makers
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._makers)
+
+    def __len__(self) -> int:
+        return len(self._makers)
+
+    def converted(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "LazyWeights":
+        """The same tensors passed through `fn`, still each made on first access (a tensor
+        already made here is converted from the one kept)."""
+        def make(name: str) -> torch.Tensor:
+            made = self._made.get(name)
+            return fn(made if made is not None else self._makers[name]())
+
+        return LazyWeights({name: functools.partial(make, name) for name in self._makers})
+
+
 @dataclass
 class LoadedModel:
     config: LlamaConfig
-    weights: dict[str, torch.Tensor]
+    weights: Mapping[str, torch.Tensor]  # a dict, or LazyWeights (a GGUF file)
     tokenizer: Any | None
     name: str
     # A GGUF file's block-quantized matrices as stored (HF name -> (GGUF_BLOCK_FORMATS code, uint8 [rows, bytes]),
-    # rows in HF order); `weights` holds the same matrices dequantized.
+    # rows in HF order); `weights` holds the same matrices dequantized (made on first access).
     quantized: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
 
 
@@ -97,7 +137,11 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
             raise ModelLoadError(f"model {path!r}: expected a .gguf file or a Hugging Face directory")
     check_weights(loaded.config, loaded.weights, loaded.name)
     dtype = _DTYPES[cfg.dtype]
-    loaded.weights = {k: v.to(device=cfg.device, dtype=dtype).contiguous() for k, v in loaded.weights.items()}
+    convert = lambda v: v.to(device=cfg.device, dtype=dtype).contiguous()  # noqa: E731
+    if isinstance(loaded.weights, LazyWeights):
+        loaded.weights = loaded.weights.converted(convert)
+    else:
+        loaded.weights = {k: convert(v) for k, v in loaded.weights.items()}
     return loaded
 
 
@@ -119,18 +163,17 @@ def check_model(cfg: ModelConfig) -> LlamaConfig:
         return config
     if not path.endswith(".gguf"):
         raise ModelLoadError(f"model {path!r}: expected a .gguf file or a Hugging Face directory")
-    from gguf import GGUFReader
-
     try:
-        return _gguf_config(GGUFReader(path))
+        return _gguf_config(_read_gguf(path))
     except UnsupportedModelError as e:
         raise ModelLoadError(f"model {path!r}: {e}") from e
 
 
 def release_freed_memory() -> None:
     """Give heap pages freed after loading back to the OS. glibc keeps them otherwise: the float32
-    copies of a GGUF model's matrices that the runner did not keep, ~0.5 GB of resident memory for
-    SmolLM2 (1.33 -> 0.82 GB with 0.25 GB of KV cache). A no-op where there is no glibc."""
+    copies of the weights that the runner did not keep (with a GGUF file only those that were
+    dequantized at all: the embeddings, the norms, any matrix without usable blocks). A no-op
+    where there is no glibc."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
@@ -146,7 +189,7 @@ def load_tokenizer(cfg: ModelConfig) -> Any | None:
     path = resolve_model_path(cfg.model)
     if os.path.isdir(path):
         return AutoTokenizer.from_pretrained(path)
-    return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+    return _gguf_tokenizer(path)
 
 
 # --- GGUF ----------------------------------------------------------------------------------
@@ -174,11 +217,18 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, out // n_heads // 2, 2, inp).swapaxes(1, 2).reshape(out, inp)
 
 
-def _gguf_config(reader) -> LlamaConfig:
+def _read_gguf(path: str) -> GGUFFile:
+    """read_gguf, a file it cannot read being a ModelLoadError."""
+    try:
+        return read_gguf(path)
+    except (OSError, ValueError, struct.error) as e:
+        raise ModelLoadError(f"model {path!r}: cannot read the GGUF file: {e}") from e
+
+
+def _gguf_config(file: GGUFFile) -> LlamaConfig:
     """The GGUF metadata -> LlamaConfig, refusing (UnsupportedModelError, naming the key) what
     the decoder does not compute."""
-    f = {k: v.contents() for k, v in reader.fields.items()
-         if not k.startswith("tokenizer.ggml.") or k.endswith("_token_id")}
+    f = file.fields
     arch = f.get("general.architecture", "llama")
     if arch not in _GGUF_ARCHS:
         raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported; supported: "
@@ -201,9 +251,9 @@ def _gguf_config(reader) -> LlamaConfig:
     scaling = None
     if kind not in (None, "none"):
         scaling = check_rope(arch, {"rope_type": kind, "factor": g("rope.scaling.factor")}, f"{arch}.rope.scaling")
-    names = {t.name for t in reader.tensors}
+    names = {t.name for t in file.tensors}
     bias = lambda kind: f"blk.0.{kind}.bias" in names  # noqa: E731
-    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    freqs = next((t for t in file.tensors if t.name == "rope_freqs.weight"), None)
     mt = _GGUF_ARCHS[arch]
     gemma = mt == "gemma3_text"
     ctx = g("context_length", 4096)
@@ -219,7 +269,7 @@ def _gguf_config(reader) -> LlamaConfig:
     # llama.cpp's Gemma 3 attention scale: 1/sqrt(head_dim), except 27B's 1/sqrt(hidden / heads)
     attn_scale = (hidden // heads if hidden == 5376 else head_dim) ** -0.5 if gemma else None
     return LlamaConfig(
-        vocab_size=g("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data), hidden_size=hidden,
+        vocab_size=g("vocab_size") or len(f["tokenizer.ggml.tokens"]), hidden_size=hidden,
         intermediate_size=g("feed_forward_length"), num_layers=layers, num_heads=heads,
         num_kv_heads=g("attention.head_count_kv", heads), head_dim=head_dim,
         rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
@@ -236,24 +286,24 @@ def _gguf_config(reader) -> LlamaConfig:
 
 
 def _load_gguf(path: str) -> LoadedModel:
-    from gguf import GGUFReader, dequantize
+    from gguf import dequantize
 
-    reader = GGUFReader(path)
+    file = _read_gguf(path)
     try:
-        cfg = _gguf_config(reader)
+        cfg = _gguf_config(file)
     except UnsupportedModelError as e:
         raise ModelLoadError(f"model {path!r}: {e}") from e
-    arch = reader.fields["general.architecture"].contents() if "general.architecture" in reader.fields else "llama"
+    arch = file.fields.get("general.architecture", "llama")
     gguf_names = _GGUF_GEMMA_NAMES if cfg.norm_plus_one else _GGUF_NAMES
-    weights: dict[str, torch.Tensor] = {}
+    makers: dict[str, Callable[[], torch.Tensor]] = {}
     quantized: dict[str, tuple[int, torch.Tensor]] = {}
-    for t in reader.tensors:
+    for t in file.tensors:
         name = t.name
         if name == "rope_freqs.weight":
             continue  # in the config (rope_freq_factors)
-        w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         fmt = GGUF_BLOCK_FORMATS.get(t.tensor_type.name)
-        raw = np.asarray(t.data) if fmt is not None else None  # [rows, blocks * bytes]
+        raw = t.data if fmt is not None else None  # [rows, blocks * bytes]
+        heads = None
         if name == "token_embd.weight":
             key = "model.embed_tokens.weight"
         elif name == "output_norm.weight":
@@ -264,21 +314,51 @@ def _load_gguf(path: str) -> LoadedModel:
             _, idx, kind, suffix = name.split(".")
             if kind in ("attn_q", "attn_k") and arch in _GGUF_PERMUTED:  # whole rows move: blocks with them
                 heads = cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads
-                w = _unpermute(w, heads) if w.ndim == 2 else _unpermute(w[:, None], heads)[:, 0]
                 raw = _unpermute(raw, heads) if raw is not None and raw.ndim == 2 else None
             key = f"model.layers.{idx}.{gguf_names[kind]}.{suffix}"
         else:
             raise ModelLoadError(f"model {path!r}: GGUF tensor {name!r} has no place in the {arch} decoder "
                                  "(its arithmetic is not implemented)")
-        if cfg.norm_plus_one and key.endswith("norm.weight"):
-            w = w - 1.0  # llama.cpp's converter stores Gemma's (1 + weight); the decoder adds the 1
-        weights[key] = torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
-        if raw is not None and raw.ndim == 2 and raw.shape[0] == w.shape[0]:
+        makers[key] = functools.partial(_dequantized, dequantize, t, heads,
+                                        cfg.norm_plus_one and key.endswith("norm.weight"))
+        if raw is not None and raw.ndim == 2:
             quantized[key] = (fmt, torch.from_numpy(np.array(raw, dtype=np.uint8, order="C")))
-    from transformers import AutoTokenizer
+    return LoadedModel(cfg, LazyWeights(makers), _gguf_tokenizer(path), os.path.basename(path), quantized)
 
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
-    return LoadedModel(cfg, weights, tok, os.path.basename(path), quantized)
+
+def _gguf_tokenizer(path: str) -> Any:
+    """The tokenizer (and chat template) a GGUF file carries, converted once and cached
+    (runner/tokenizer.py)."""
+    from batchserve.runner.tokenizer import gguf_tokenizer
+
+    return gguf_tokenizer(path)
+
+
+_DEQUANT_ROWS = 4096  # rows per call: little temporary memory, few calls
+
+
+def _dequantize(dequantize: Callable, data: np.ndarray, kind: Any) -> np.ndarray:
+    """gguf.dequantize, in calls of _DEQUANT_ROWS rows: gguf's own arithmetic for the type (its
+    dequantize_rows), without its split into groups of a few rows, whose Python overhead made
+    an embedding table (49,152 rows) cost a fifth of a second."""
+    import gguf.quants
+
+    cls = getattr(gguf.quants, kind.name, None)
+    rows = getattr(cls, "dequantize_rows", None)
+    if rows is None or data.ndim != 2 or data.dtype != np.uint8:
+        return dequantize(data, kind)
+    return np.concatenate([rows(data[i:i + _DEQUANT_ROWS]) for i in range(0, data.shape[0], _DEQUANT_ROWS)])
+
+
+def _dequantized(dequantize: Callable, t: Any, heads: int | None, minus_one: bool) -> torch.Tensor:
+    """One GGUF tensor as a float32 tensor in the Hugging Face layout: dequantized, q/k rows
+    put back in HF order (`heads`), Gemma's stored (1 + weight) norms less the 1 (`minus_one`)."""
+    w = _dequantize(dequantize, t.data, t.tensor_type).astype(np.float32, copy=False)
+    if heads is not None:
+        w = _unpermute(w, heads) if w.ndim == 2 else _unpermute(w[:, None], heads)[:, 0]
+    if minus_one:
+        w = w - 1.0  # llama.cpp's converter stores Gemma's (1 + weight); the decoder adds the 1
+    return torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
 
 
 # --- Hugging Face directory ----------------------------------------------------------------

@@ -4,6 +4,8 @@ It owns the model and the KV tensors and never sees a Request or a policy."""
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 import time
 
 import torch
@@ -32,6 +34,22 @@ def kv_bytes_per_block(loaded_cfg, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.tensor([], dtype=dtype).element_size()
     k, v = kv_block_shapes(loaded_cfg, block_size, dtype)
     return loaded_cfg.num_layers * (k[0] * k[1] * k[2] + v[0] * v[1] * v[2]) * elem
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.zeros(shape), without writing the zeros on the CPU: an anonymous memory mapping is
+    zero pages the OS fills in on first write, so a KV cache costs neither the time to fill it
+    at start (a gigabyte by default) nor resident memory before its blocks are first used; each
+    block's first write pays its page faults instead, in the step that writes it. The mapping
+    keeps the ordinary 4 KiB pages (page-aligned, no huge-page advice): a transparent huge page
+    would fault 2 MB in at once in the middle of a step."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, nbytes)  # the tensor keeps it alive
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def cpp_attention_wanted(model_cfg: ModelConfig, weight_dtype: torch.dtype) -> bool:
@@ -133,8 +151,8 @@ class ModelRunner:
             raise ValueError(f"kv_cache_dtype=int8: head_dim {self.cfg.head_dim} is not supported by the prompt "
                              "kernel here (64 or 128 on an AVX-512 CPU)")
         k_shape, v_shape = kv_block_shapes(self.cfg, self.block_size, self.kv_dtype)  # layout: attention.py
-        self.kv_caches = [(torch.zeros((self.num_blocks, *k_shape), dtype=self.kv_dtype, device=self.device),
-                           torch.zeros((self.num_blocks, *v_shape), dtype=self.kv_dtype, device=self.device))
+        self.kv_caches = [(zeroed((self.num_blocks, *k_shape), self.kv_dtype, self.device),
+                           zeroed((self.num_blocks, *v_shape), self.kv_dtype, self.device))
                           for _ in range(self.cfg.num_layers)]
         self.generator = torch.Generator(device=self.device).manual_seed(model_cfg.seed)
         log.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s%s)", self.num_blocks,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -295,16 +296,21 @@ class LlamaModel(nn.Module):
                                and self.embed.dtype == torch.float32 and self.embed.device.type == "cpu") else {}
         self.quantized_matrices = 0
 
-        def lin(*names: str) -> Linear:
+        # Packing GGUF blocks into panels is single-threaded C++ that lets go of the GIL: the
+        # matrices are packed on a few threads at once, each result taken once all are queued.
+        packing = ThreadPoolExecutor(max(1, min(4, torch.get_num_threads()))) if blocks else None
+
+        def lin(*names: str) -> Linear | Future:
             """The named matrices stacked by rows: from their GGUF blocks when all have them in one
-            format, else dense in the matmul dtype."""
+            format (a Future of it), else dense in the matmul dtype."""
             fmts = {blocks[k][0] for k in names if k in blocks}
             if len(fmts) == 1 and all(k in blocks for k in names):
                 self.quantized_matrices += 1
                 src = fmts.pop()
                 bits = act_bits if src in INT_SOURCES else 0
                 self.int_matrices += bits > 0
-                return Linear.from_blocks(torch.cat([blocks[k][1] for k in names]), src, act_bits=bits)
+                parts = [blocks[k][1] for k in names]
+                return packing.submit(lambda: Linear.from_blocks(torch.cat(parts), src, act_bits=bits))
             t = w[names[0]] if len(names) == 1 else torch.cat([w[k] for k in names])
             return Linear(t.to(mm), layer_backend)
 
@@ -352,6 +358,14 @@ class LlamaModel(nn.Module):
                 "local": cfg.layer_types is not None and cfg.layer_types[i] == "sliding",
             }
             self.layers.append(layer)
+        if packing is not None:
+            with packing:
+                if isinstance(self.lm_head, Future):
+                    self.lm_head = self.lm_head.result()
+                for layer in self.layers:
+                    for key, value in layer.items():
+                        if isinstance(value, Future):
+                            layer[key] = value.result()
         if one:
             self.norm = self.norm + one
         self.inv_freq = rope_inv_freq(cfg).to(self.embed.device)
