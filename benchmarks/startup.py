@@ -171,7 +171,7 @@ def report(runs: list[float], steps: list[tuple[str, float]], label: str) -> str
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--runs", type=int, default=5, help="starts to time")
     ap.add_argument("--checkout", default=ROOT, help="the batchserve checkout to start (default: this one)")
     ap.add_argument("--label", default="this checkout", help="what was measured, for the report")
     ap.add_argument("--out", default=None, help="replace this section in a markdown file (BENCHMARKS.md)")
