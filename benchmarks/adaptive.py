@@ -119,15 +119,23 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
            f"{', '.join(f'{w:g}' for w in WINDOWS_MS)} ms x caps {', '.join(map(str, CAPS))}, the best point "
            f"picked per regime with hindsight; `dynamic` has one setting for all: window <= {max(WINDOWS_MS):g} "
            f"ms, cap <= {max(CAPS)}, the same SLO.", "",
-           "| regime | SLO (ms) | offered req/s | best fixed (window, cap) | its goodput | adaptive goodput | adaptive / best "
-           "| worst P99 E2E, best / adaptive (ms) | 50 ms / 32 goodput |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           *table(rows, slo=True, p99="worst P99 E2E, best / adaptive (ms)")]
+    return "\n".join(out)
+
+
+def table(rows: list[dict[str, Any]], slo: bool, p99: str) -> list[str]:
+    """The comparison's rows, one per regime (and SLO, with `slo`)."""
+    cols = ["regime"] + ["SLO (ms)"] * slo + ["offered req/s", "best fixed (window, cap)", "its goodput",
+                                              "adaptive goodput", "adaptive / best", p99, "50 ms / 32 goodput"]
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         w, c = r["best"]
-        out.append(f"| {r['regime']} | {r['slo_ms']:,.0f} | {r['rate']:.2f} | {w:g} ms, {c} | {r['best_goodput']:.2f} | "
-                   f"{r['adaptive_goodput']:.2f} | {r['adaptive_goodput'] / max(r['best_goodput'], 1e-9):.3f}x | "
-                   f"{r['best_p99']:,.0f} / {r['adaptive_p99']:,.0f} | {r['default'][0]:.2f} |")
-    return "\n".join(out)
+        cells = [r["regime"]] + [f"{r['slo_ms']:,.0f}"] * slo + [
+            f"{r['rate']:.2f}", f"{w:g} ms, {c}", f"{r['best_goodput']:.2f}", f"{r['adaptive_goodput']:.2f}",
+            f"{r['adaptive_goodput'] / max(r['best_goodput'], 1e-9):.3f}x",
+            f"{r['best_p99']:,.0f} / {r['adaptive_p99']:,.0f}", f"{r['default'][0]:.2f}"]
+        out.append("| " + " | ".join(cells) + " |")
+    return out
 
 
 LIVE_GRID = [(w, c) for w in (0.0, 50.0) for c in (16, 32)]
@@ -191,13 +199,7 @@ def live_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
            f"{', '.join(sorted({f'{w:g}' for w, _ in LIVE_GRID}))} ms x caps "
            f"{', '.join(str(c) for c in sorted({c for _, c in LIVE_GRID}))}; `dynamic` with window <= "
            f"{max(w for w, _ in LIVE_GRID):g} ms, cap <= {max(c for _, c in LIVE_GRID)}. Live timings move about 15 % run to run.", "",
-           "| regime | offered req/s | best fixed (window, cap) | its goodput | adaptive goodput | adaptive / best "
-           "| P99 E2E best / adaptive (ms) | 50 ms / 32 goodput |", "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        w, c = r["best"]
-        out.append(f"| {r['regime']} | {r['rate']:.2f} | {w:g} ms, {c} | {r['best_goodput']:.2f} | "
-                   f"{r['adaptive_goodput']:.2f} | {r['adaptive_goodput'] / max(r['best_goodput'], 1e-9):.3f}x | "
-                   f"{r['best_p99']:,.0f} / {r['adaptive_p99']:,.0f} | {r['default'][0]:.2f} |")
+           *table(rows, slo=False, p99="P99 E2E best / adaptive (ms)")]
     return "\n".join(out)
 
 
