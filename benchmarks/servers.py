@@ -175,16 +175,21 @@ def tree_rss_bytes(pid: int) -> int:
 
 
 class RssSampler:
-    """The peak of tree_rss_bytes(pid) sampled every `interval_s` in a thread, while in a `with`."""
+    """tree_rss_bytes(pid) sampled every `interval_s` in a thread, while in a `with`: the peak,
+    and every sample as (seconds since the start, bytes)."""
 
     def __init__(self, pid: int, interval_s: float = 0.5) -> None:
         self.pid, self.interval_s, self.peak = pid, interval_s, 0
+        self.samples: list[tuple[float, int]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
+        t0 = time.monotonic()
         while True:
-            self.peak = max(self.peak, tree_rss_bytes(self.pid))
+            rss = tree_rss_bytes(self.pid)
+            self.samples.append((time.monotonic() - t0, rss))
+            self.peak = max(self.peak, rss)
             if self._stop.wait(self.interval_s):
                 return
 

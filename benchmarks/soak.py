@@ -36,7 +36,6 @@ import json
 import os
 import shlex
 import sys
-import threading
 import time
 from typing import Any
 
@@ -50,7 +49,7 @@ from batchserve.bench.metrics import RequestRecord
 from batchserve.bench.workload import WorkItem, build_prompt, lognormal_lengths
 from benchmarks.priority_flood import poisson
 from benchmarks.report_md import publish
-from benchmarks.servers import start_batchserve, started, tree_rss_bytes
+from benchmarks.servers import RssSampler, start_batchserve, started, tree_rss_bytes
 
 TITLE = "## Soak: three times capacity behind a queue of eight, and a disconnect storm"
 QUEUE_CAP = 8
@@ -129,31 +128,6 @@ def drain(url: str, timeout_s: float = DRAIN_S, poll_s: float = 0.02) -> tuple[d
         if not busy(m) or time.monotonic() - t0 > timeout_s:
             return m, time.monotonic() - t0
         time.sleep(poll_s)
-
-
-class RssSeries:
-    """(seconds, resident bytes) of a process tree every `every_s`, in a thread while in a `with`."""
-
-    def __init__(self, pid: int, every_s: float) -> None:
-        self.pid, self.every_s = pid, every_s
-        self.samples: list[tuple[float, int]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        t0 = time.monotonic()
-        while True:
-            self.samples.append((time.monotonic() - t0, tree_rss_bytes(self.pid)))
-            if self._stop.wait(self.every_s):
-                return
-
-    def __enter__(self) -> "RssSeries":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def flatness(samples: list[tuple[float, int]], seconds: float) -> dict[str, Any]:
@@ -303,7 +277,7 @@ def soak(a: argparse.Namespace) -> dict[str, Any]:
         out["rate_rps"] = a.overload * cap
         drain(srv.url)
         before = scrape(srv.url)
-        with RssSeries(srv.proc.pid, a.rss_every) as rss:
+        with RssSampler(srv.proc.pid, a.rss_every) as rss:
             res = send(srv.url, items, timeout_s=a.timeout, progress=True, metrics_every_s=a.rss_every)
             after, out["drain_s"] = drain(srv.url)
         out["soak"] = tally(res.records)
