@@ -62,7 +62,7 @@ class ModelConfig:
     `linear_backend`: the float32 matrix products. auto: the C++ panel GEMM on an AVX-512 CPU,
     else oneDNN on packed weights where it runs, else F.linear; cpp, onednn, torch: require one.
 
-    `matmul_dtype` (`runner.model_runner.resolve_matmul_dtype`): auto is int16 on a CPU with
+    `matmul_dtype` (`runner.model_runner.resolve_matmul_dtype`): auto is int8 on a CPU with
     AVX512-VNNI for a float32 model with GGUF blocks (the C++ GEMM), else the products run in
     `dtype`. float32 gives products bit-identical to the dequantized weights'. bfloat16 with
     dtype float32 runs the decoder layers' products in bf16 (half the weight bytes; faster where
@@ -88,7 +88,7 @@ class ModelConfig:
         "auto", "decode attention and fused layer ops: C++ where it builds (auto), torch only, or require cpp")
     linear_backend: Literal["auto", "cpp", "onednn", "torch"] = _flag(
         "auto", "float32 matrix products: C++ GEMM or oneDNN where they run (auto), or require one")
-    matmul_dtype: str = _flag("auto", "matrix products in (auto: int16 where it runs, else --dtype); int16 / int8 "
+    matmul_dtype: str = _flag("auto", "matrix products in (auto: int8 where it runs, else --dtype); int16 / int8 "
                               "need GGUF blocks", choices=("auto", "float32", "bfloat16", "int16", "int8"))
     quantized_weights: Literal["auto", "off"] = _flag(
         "auto", "auto: multiply from a GGUF file's quantized blocks as stored; off: dequantize at load")

@@ -253,8 +253,8 @@ def test_smollm2_in_integer_modes_stays_close_to_float32():
         assert "Paris" in answer.text, mm
 
 
-def test_auto_picks_int16_for_gguf_blocks_on_a_vnni_cpu_and_float32_elsewhere():
-    """matmul_dtype auto: int16 dot products where they run fast (a GGUF file's blocks, the C++
+def test_auto_picks_int8_for_gguf_blocks_on_a_vnni_cpu_and_float32_elsewhere():
+    """matmul_dtype auto: int8 dot products where they run fast (a GGUF file's blocks, the C++
     GEMM, AVX512-VNNI); the float32 products when the blocks are off, another backend is asked
     for, the model has no blocks, or the CPU lacks VNNI. An explicit dtype is kept."""
     from batchserve.runner.loader import LoadedModel
@@ -264,7 +264,8 @@ def test_auto_picks_int16_for_gguf_blocks_on_a_vnni_cpu_and_float32_elsewhere():
     blocks = LoadedModel(config=None, weights={}, tokenizer=None, name="t", quantized={"w": (0, torch.zeros(1, 20, dtype=torch.uint8))})
     q6k = LoadedModel(config=None, weights={}, tokenizer=None, name="t", quantized={"w": (4, torch.zeros(1, 210, dtype=torch.uint8))})
     dense = LoadedModel(config=None, weights={}, tokenizer=None, name="t")
-    assert resolve_matmul_dtype(ModelConfig(), blocks) == (torch.int16 if vnni else None)
+    assert resolve_matmul_dtype(ModelConfig(), blocks) == (torch.int8 if vnni else None)
+    assert resolve_matmul_dtype(ModelConfig(matmul_dtype="int16"), blocks) == torch.int16
     assert resolve_matmul_dtype(ModelConfig(), dense) is None
     assert resolve_matmul_dtype(ModelConfig(), q6k) is None  # Q6_K alone: no integer path
     assert resolve_matmul_dtype(ModelConfig(quantized_weights="off"), blocks) is None

@@ -85,7 +85,7 @@ def ask_all(url: str, questions: list[str], max_tokens: int = 24) -> list[str]:
 def test_replicas_answer_concurrent_clients_like_one_engine(replicated, expected):
     server, client = replicated
     assert ask_all(server.url, QUESTIONS) == expected
-    assert expected[0] == "The capital of France is Paris."
+    assert "4" in expected[2], expected[2]
 
 
 def test_a_burst_is_spread_across_replicas(replicated):
@@ -113,7 +113,7 @@ def test_stream_and_errors_go_through_the_router(replicated):
     assert len("".join(c.choices[0].text for c in chunks)) > 0
 
 
-def test_killing_a_replica_loses_no_request_and_ray_restarts_it(replicated):
+def test_killing_a_replica_loses_no_request_and_ray_restarts_it(replicated, expected):
     server, client = replicated
     victim = client.replicas[0]
 
@@ -142,7 +142,7 @@ def test_killing_a_replica_loses_no_request_and_ray_restarts_it(replicated):
             assert status == 500 and "replica 0 (both) died" in body["error"]["message"], body
     assert client.replica_failures == 1
     # the endpoint keeps answering while the victim restarts
-    assert ask_all(server.url, QUESTIONS[:1]) == ["The capital of France is Paris."]
+    assert ask_all(server.url, QUESTIONS[:1]) == expected[:1]
     end = time.monotonic() + 180
     while time.monotonic() < end and not victim.up:
         time.sleep(0.2)
