@@ -53,13 +53,17 @@ def llm32():
     return LLM(kv_cache_gb=0.1, matmul_dtype="float32", kv_cache_dtype="float32")
 
 
-@pytest.mark.parametrize("mode, tol", [("float32", 1e-4), ("auto", 2e-3)])
+@pytest.mark.parametrize("mode, tol", [("float32", 1e-4), ("int16", 2e-3), ("auto", 0.15)])
 def test_logits_match_transformers(mode, tol, llm, llm32, hf_model):
-    """Prefill and 16 decode steps of 4 prompts against transformers on the same GGUF weights:
-    within 1e-4 of the largest logit with float32 products and cache; within 2e-3 with the
-    defaults (int16 dot products on the blocks where the CPU has AVX512-VNNI, a float16 cache:
-    measured 2.6e-4 and 8.6e-4 apart, 8.5e-4 together)."""
-    runner = (llm32 if mode == "float32" else llm).engine.executor
+    """Prefill and 16 decode steps of 4 prompts against transformers on the same GGUF weights,
+    the worst difference relative to the largest logit: within 1e-4 with float32 products and
+    cache; within 2e-3 with int16 dot products and a float16 cache (measured 8.5e-4); within 0.15
+    with the defaults (int8 dot products where the CPU has AVX512-VNNI, llama.cpp's rounding of
+    the activations, a float16 cache: measured 0.07)."""
+    from batchserve.llm import LLM
+
+    other = {"float32": llm32, "auto": llm}.get(mode) or LLM(kv_cache_gb=0.05, matmul_dtype=mode)
+    runner = other.engine.executor
     tok = llm.tokenizer
     prompts = [tok.encode(p) for p in PROMPTS[:4]]
     kv = KVCacheManager(runner.num_blocks, runner.block_size)
@@ -96,7 +100,10 @@ def _alone(llm, prompts):
     return [llm.generate(p, GREEDY)[0].token_ids for p in prompts]
 
 
-def test_batch_invariance_and_transformers_generate(llm, hf_model):
+def test_batch_invariance_and_transformers_generate(llm, llm32, hf_model):
+    """The defaults give each request the same tokens alone, batched and joining mid-run; the
+    float32 reference numerics give transformers' greedy tokens (the defaults' int8 products
+    flip near ties, so they are held to perplexity instead, in test_prompt_logprobs)."""
     together = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
     assert together == _alone(llm, PROMPTS)
     # staggered: one new request joins at every step while the others decode
@@ -111,7 +118,8 @@ def test_batch_invariance_and_transformers_generate(llm, hf_model):
             if o.finished:
                 done[o.request_id] = o.token_ids
     assert [done[i] for i in ids] == together
-    for p, ours in zip(PROMPTS, together):
+    for p in PROMPTS:
+        ours = llm32.generate(p, GREEDY)[0].token_ids
         assert ours == hf_greedy(hf_model, llm.tokenizer.encode(p), 32), p
 
 
@@ -123,19 +131,23 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-def test_preemption_with_tiny_kv_budget_keeps_outputs(llm):
+def test_preemption_with_tiny_kv_budget_keeps_outputs(llm32):
+    """Preempted and recomputed requests end with the tokens of an unpreempted run. Float32
+    numerics on both sides: a recompute runs the prompt-attention path where the first run
+    decoded, and int8 activation rounding can turn that last-bit difference into a near tie."""
     from batchserve.llm import LLM
 
     prompts = [f"{p} Tell me more about it in detail." for p in PROMPTS] * 2
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
-    tiny = LLM(num_blocks=12, block_size=16, max_num_seqs=16)  # 192 tokens for 16 requests of ~62
+    tiny = LLM(num_blocks=12, block_size=16, max_num_seqs=16, matmul_dtype="float32",
+               kv_cache_dtype="float32")  # 192 tokens for 16 requests of ~62
     try:
         outs = tiny.generate(prompts, params)
         assert tiny.engine.scheduler.num_preemptions > 0
         tiny.engine.kv.check_all_free()
     finally:
         del tiny
-    assert [o.token_ids for o in outs] == [o.token_ids for o in llm.generate(prompts, params)]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in llm32.generate(prompts, params)]
     assert all(o.finish_reason == "length" for o in outs)
 
 
