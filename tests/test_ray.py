@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 import ray
+from prometheus_client.parser import text_string_to_metric_families
 
 from batchserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from batchserve.distributed.router import RayEngineClient
@@ -82,6 +83,17 @@ def ask_all(url: str, questions: list[str], max_tokens: int = 24) -> list[str]:
         return list(pool.map(ask, questions))
 
 
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    """/metrics parsed: (sample name, sorted labels but model_name) -> value. Every batchserve
+    sample, the router's own included, carries the served model_name, as on one server."""
+    text = httpx.get(url + "/metrics").text
+    samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name.startswith("batchserve:")]
+    assert samples and all(s.labels.get("model_name") == MODEL for s in samples), text
+    return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+            for s in samples}
+
+
 def test_replicas_answer_concurrent_clients_like_one_engine(replicated, expected):
     server, client = replicated
     assert ask_all(server.url, QUESTIONS) == expected
@@ -95,9 +107,10 @@ def test_a_burst_is_spread_across_replicas(replicated):
     spread = [r.routed - b for r, b in zip(client.replicas, before)]
     assert sum(spread) == 8
     assert min(spread) >= 2, spread
-    text = httpx.get(server.url + "/metrics").text
-    assert 'batchserve:replica_up{replica="1",role="both"} 1' in text
-    assert "batchserve:requests_running" in text
+    m = scrape(server.url)
+    assert m[("batchserve:replica_up", (("replica", "1"), ("role", "both")))] == 1
+    assert m[("batchserve:replica_routed_total", (("replica", "1"), ("role", "both")))] == client.replicas[1].routed
+    assert ("batchserve:requests_running", ()) in m
 
 
 def test_stream_and_errors_go_through_the_router(replicated):
@@ -147,7 +160,7 @@ def test_killing_a_replica_loses_no_request_and_ray_restarts_it(replicated, expe
     while time.monotonic() < end and not victim.up:
         time.sleep(0.2)
     assert victim.up, "Ray did not restart the replica"
-    assert 'batchserve:replica_up{replica="0",role="both"} 1' in httpx.get(server.url + "/metrics").text
+    assert scrape(server.url)[("batchserve:replica_up", (("replica", "0"), ("role", "both")))] == 1
     before = victim.routed
     ask_all(server.url, QUESTIONS[:4], max_tokens=4)
     assert victim.routed > before  # back in the rotation
@@ -222,8 +235,7 @@ def test_a_replica_killed_under_load_loses_nothing_and_unseen_requests_are_place
     retried = client.retries - retries0
     assert len(queued) <= retried and retried + len(failed) <= len(held), (queued, retried, len(failed), len(held))
     assert client.replica_failures == failures0 + 1
-    text = httpx.get(server.url + "/metrics").text
-    assert f"batchserve:router_retries_total {client.retries}" in text
+    assert scrape(server.url)[("batchserve:router_retries_total", ())] == client.retries
     survivor = next(r for r in client.replicas if r is not victim)
     end = time.monotonic() + 10
     while time.monotonic() < end and not (survivor.stats and survivor.stats.running == 0

@@ -29,6 +29,7 @@ from batchserve.config import ConfigError, EngineConfig
 from batchserve.core.batch import RequestOutput
 from batchserve.core.kv_cache import prefix_hashes
 from batchserve.core.stats import EngineSnapshot
+from batchserve.distributed.metrics import ReplicaView, RouterCounters, router_metrics_text
 from batchserve.distributed.replica import NUM_PRIORITIES, EngineReplica, ReplicaStats
 from batchserve.distributed.routing import PER_WAITING, Candidate, layout, rank
 from batchserve.core.batch import StepRecord
@@ -36,6 +37,7 @@ from batchserve.engine.client import EngineClient, EngineStoppedError
 from batchserve.engine.engine import tokenize
 from batchserve.engine.request_stream import RequestStream
 from batchserve.request import OverloadedError, RequestError, RequestSpec
+from batchserve.server.config import model_name as served_name
 
 log = logging.getLogger(__name__)
 RESTART_POLL_S = 1.0
@@ -113,7 +115,9 @@ class RayEngineClient(EngineClient):
     def __init__(self, config: EngineConfig, *, replicas: int = 1, prefill_workers: int = 0,
                  decode_workers: int = 0, address: str | None = None, replica_cpus: float = 1.0,
                  replica_gpus: float = 0.0, object_store_mb: int = 512, max_restarts: int = -1,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, model_name: str | None = None) -> None:
+        """`model_name`: the name clients use, the `model_name` label of the router's metrics
+        (default: the model's alias or file name, as /v1/models has it without --served-model-name)."""
         if (prefill_workers > 0) != (decode_workers > 0):
             raise ConfigError("prefill_workers / decode_workers: disaggregated serving needs both >= 1")
         if replicas < 1 or prefill_workers < 0 or decode_workers < 0:
@@ -122,6 +126,7 @@ class RayEngineClient(EngineClient):
             raise ConfigError("replica_cpus: must be > 0")
         ray = _ray()
         self.config = config
+        self.model_name = model_name or served_name(config.model.model)
         self.disaggregated = prefill_workers > 0
         self.on_step: Callable[[StepRecord], None] | None = None
         self.on_finish: Callable[[RequestOutput], None] | None = None
@@ -462,27 +467,12 @@ class RayEngineClient(EngineClient):
             preemptions=sum(s.preemptions for s in snaps), prefix_hit_rate=sum(s.prefix_hit_rate for s in snaps) / n)
 
     def metrics_text(self) -> str:
-        """Router gauges and counters in the Prometheus text format (appended to /metrics)."""
-        lines = ["# HELP batchserve:replica_up Whether a replica answers (1) or is down (0)",
-                 "# TYPE batchserve:replica_up gauge"]
-        lines += [f'batchserve:replica_up{{replica="{r.key}",role="{r.role}"}} {int(r.up)}' for r in self.replicas]
-        lines += ["# HELP batchserve:replica_routed_total Requests the router sent to a replica",
-                  "# TYPE batchserve:replica_routed_total counter"]
-        lines += [f'batchserve:replica_routed_total{{replica="{r.key}",role="{r.role}"}} {r.routed}'
-                  for r in self.replicas]
-        for name, help_, value in (
-                ("replica_failures_total", "Replica deaths the router saw", self.replica_failures),
-                ("router_retries_total", "Requests placed again after their replica died", self.retries),
-                ("kv_handoffs_total", "Requests handed from a prefill to a decode worker", self.handoffs),
-                ("kv_handoff_tokens_total", "Prompt tokens whose K/V was handed over", self.handoff_tokens),
-                ("kv_handoff_seconds_total", "First token out of a prefill worker to adopted by a decode worker "
-                 "(K/V export, object store, Ray calls, the decode worker's step boundary, import)",
-                 self.handoff_seconds),
-                ("kv_handoff_copy_seconds_total", "K/V copy time of the hand-offs (export + import)",
-                 self.handoff_export_seconds + self.handoff_import_seconds)):
-            lines += [f"# HELP batchserve:{name} {help_}", f"# TYPE batchserve:{name} counter",
-                      f"batchserve:{name} {value}"]
-        return "\n".join(lines) + "\n"
+        """Router gauges and counters in the Prometheus text format (appended to /metrics),
+        labelled `model_name` as the server's own are (distributed/metrics.py)."""
+        replicas = [ReplicaView(r.key, r.role, r.up, r.routed) for r in self.replicas]
+        counters = RouterCounters(self.replica_failures, self.retries, self.handoffs, self.handoff_tokens,
+                                  self.handoff_seconds, self.handoff_export_seconds + self.handoff_import_seconds)
+        return router_metrics_text(self.model_name, replicas, counters)
 
     def handoff_stats(self) -> dict[str, float]:
         """Hand-off cost so far (disaggregated mode)."""

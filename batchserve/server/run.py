@@ -66,7 +66,8 @@ def ray_client(a: argparse.Namespace, engine_cfg, server_cfg):
 
     return RayEngineClient(engine_cfg, replicas=a.replicas, prefill_workers=a.prefill_workers,
                            decode_workers=a.decode_workers, address=a.address, replica_cpus=a.replica_cpus,
-                           replica_gpus=a.replica_gpus, object_store_mb=a.object_store_mb)
+                           replica_gpus=a.replica_gpus, object_store_mb=a.object_store_mb,
+                           model_name=server_cfg.served_model_name or model_name(engine_cfg.model.model))
 
 
 def serve(a: argparse.Namespace) -> int:
