@@ -126,12 +126,6 @@ def test_langchain_invoke_and_stream(server, chat) -> None:
     assert "".join(c.content for c in chunks) == msg.content  # greedy: the same answer
 
 
-@pytest.mark.xfail(strict=True, reason="the default --matmul-dtype auto (int8 on AVX512-VNNI) answers "
-                   "\"L'Étoile, la Marseillaise, la femme,\"; float32 answers 'The capital of France is Paris.'")
-def test_langchain_gets_the_answer_a_user_expects(chat) -> None:
-    assert "Paris" in chat().invoke(CAPITAL).content
-
-
 @pytest.mark.parametrize("method", ["json_schema", "function_calling"])
 def test_langchain_structured_output_is_a_parsed_object(chat, method: str) -> None:
     structured = chat(max_tokens=60).with_structured_output(City, method=method, include_raw=True)
