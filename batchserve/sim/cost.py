@@ -24,6 +24,16 @@ reading the KV cache.
 
     KV capacity: blocks = floor((mem * mem_util - num_params * e - workspace) / (block_size * kv_tok))
 
+Mixed steps (`interference` f, default 1). A step that runs decodes (one token past the
+prompt, D below) beside prompt tokens is charged
+
+    step_mixed = step(all) + (f - 1) * step(D alone)      f = 1: the roofline above, unchanged
+
+that is, the decode rows take f times what they would take in a step of their own, on top of
+sharing the step. The roofline makes a mixed step cheaper than its parts run apart (the
+weights are read once for both); real devices lose some of that to the two shapes sharing
+kernels, and f says how much. A step of prompts only or of decodes only is never changed.
+
 Profiled (`ProfiledCost`): the step-time model `batchserve profile` fitted on this machine and
 this model (its JSON file), and a KV pool sized as the live engine sizes its own (CacheConfig).
 """
@@ -87,11 +97,16 @@ class RooflineCost:
     """The analytic model of the module docstring."""
 
     def __init__(self, gpu: GPUSpec | str, model: ModelShape | str, elem_bytes: int = 2,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, interference: float = 1.0) -> None:
+        if not interference >= 1.0:
+            raise ValueError(f"interference: must be >= 1 (1: a mixed step costs the roofline), got {interference}")
         self.gpu = get_gpu(gpu) if isinstance(gpu, str) else gpu
         self.model = get_model(model, max_model_len) if isinstance(model, str) else model
         self.elem_bytes = elem_bytes
+        self.interference = interference
         self.name = f"roofline {self.gpu.name} / {self.model.name} ({8 * elem_bytes}-bit)"
+        if interference != 1.0:
+            self.name += f", mixed-step interference {interference:g}"
         self.max_model_len = max_model_len or self.model.max_position_embeddings
         m, g = self.model, self.gpu
         self.kv_tok = m.kv_bytes_per_token(elem_bytes)
@@ -108,7 +123,18 @@ class RooflineCost:
         return self.gpu.step_overhead_s + lin + attn
 
     def step_time(self, batch: ScheduledBatch) -> float:
-        return self.time_of(StepShape.of(batch))
+        t = self.time_of(StepShape.of(batch))
+        if self.interference != 1.0:  # f = 1 adds nothing: the common path stays one shape
+            t += (self.interference - 1.0) * self.decode_alone_time(batch)
+        return t
+
+    def decode_alone_time(self, batch: ScheduledBatch) -> float:
+        """step(D alone) of the module docstring: the step the batch's decodes would take on
+        their own, when prompt tokens share the step with them; 0 when it is not mixed."""
+        decodes = [s for s in batch.seqs if s.is_decode]
+        if not decodes or len(decodes) == len(batch.seqs):
+            return 0.0
+        return self.time_of(StepShape.of(ScheduledBatch(decodes)))
 
     def num_blocks(self, block_size: int) -> int:
         g = self.gpu
@@ -122,6 +148,7 @@ class RooflineCost:
     def describe(self) -> dict[str, Any]:
         return {"cost_model": "roofline", "gpu": self.gpu.name, "model": self.model.name,
                 "elem_bytes": self.elem_bytes, "max_model_len": self.max_model_len,
+                "interference": self.interference,
                 "weights_gb": self.model.num_params * self.elem_bytes / 1e9,
                 "kv_bytes_per_token": self.kv_tok}
 
@@ -185,9 +212,13 @@ class ProfiledCost:
 
 
 def make_cost_model(hardware: str | None = None, profile: str | None = None, model: str = "llama-2-7b",
-                    elem_bytes: int = 2, max_model_len: int | None = None, **kw: Any) -> CostModel:
+                    elem_bytes: int = 2, max_model_len: int | None = None, interference: float = 1.0,
+                    **kw: Any) -> CostModel:
     """`--profile FILE` gives a ProfiledCost (`kw`: its options), otherwise a RooflineCost for
-    `--hardware` (default A100-80GB) and `--model` (a named shape or a config.json)."""
+    `--hardware` (default A100-80GB) and `--model` (a named shape or a config.json), with
+    `interference` its mixed-step factor (a profile fitted on mixed steps has its own)."""
     if profile:
+        if interference != 1.0:
+            raise ValueError("interference: a roofline setting; a profile's fitted steps already hold their own")
         return ProfiledCost(profile, **kw)
-    return RooflineCost(hardware or "a100-80gb", model, elem_bytes, max_model_len)
+    return RooflineCost(hardware or "a100-80gb", model, elem_bytes, max_model_len, interference)
