@@ -247,7 +247,9 @@ class RequestSpec:
     caller that gave no limit): max_tokens becomes the room the context leaves, up to that many.
     `tenant` names who sent it (the OpenAI `user` field): a level's service is shared fairly
     between tenants. `constraint`: what the answer must match (structured outputs); preparing
-    the spec compiles it into `grammar`, the request's own matcher (not for pickling)."""
+    the spec compiles it into `grammar`, the request's own matcher (not for pickling).
+    `group`: a name the copies of one prompt share (the choices of n > 1, best_of's candidates;
+    same prompt, same engine): the engine prefills that prompt once for all of them."""
 
     params: SamplingParams
     prompt: str | list[int] | None = None  # text, or token ids
@@ -261,6 +263,7 @@ class RequestSpec:
     tenant: str | None = None
     constraint: Constraint | None = None
     tools: list[dict] | None = None  # for the chat template (function calling)
+    group: str | None = None  # copies of one prompt: prefilled once (see the docstring)
     grammar: Any = field(default=None, repr=False, compare=False)
 
     def __getstate__(self) -> dict:  # a matcher stays in its process; the constraint travels
@@ -316,6 +319,7 @@ class Request:
     urgent: bool = False  # promoted to the urgent lane
     aged: bool = False  # promoted for its wait: ahead of every level (bounds starvation)
     tenant: str | None = None  # who sent it: shares of a level are fair between tenants
+    group: str | None = None  # copies of one prompt share its prefill (Scheduler: awaits_copy, fork)
     grammar: Any = None  # structured outputs: the matcher its tokens must pass (engine/structured.py)
     extras: bool = False  # a grammar or logprobs: each new token has more to do than be appended
     output_logprobs: list | None = None  # a TokenLogprob per output token, when params.logprobs is set

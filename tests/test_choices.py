@@ -67,3 +67,15 @@ def test_too_many_choices_and_an_empty_prompt_are_400s() -> None:
 def test_a_choice_that_cannot_be_added_fails_the_request_and_frees_the_others() -> None:
     status, out = asyncio.run(_post("/v1/completions", {"prompt": ["abc", "x" * 5000], "n": 2}))
     assert status == 400 and "prompt" in out["error"]["param"], out  # the leak check finds nothing left
+
+
+def test_the_choices_of_a_prompt_prefill_it_once() -> None:
+    from conftest import FakeExecutor
+
+    ex = FakeExecutor(256)
+    status, out = asyncio.run(_post("/v1/completions", {"prompt": ["p" * 30, "q" * 30], "n": 4}, fake_engine(ex)))
+    assert status == 200 and len(out["choices"]) == 8
+    # per prompt: one choice computes its 30 tokens, each other one the 2 after its 7 shared blocks of 4
+    computed = sum(max(0, min(s.start_pos + s.num_tokens, 30) - s.start_pos) for b in ex.batches for s in b.seqs)
+    assert computed == 2 * (30 + 3 * 2)
+    assert out["usage"]["prompt_tokens"] == 60 and out["usage"]["completion_tokens"] == 8 * 4

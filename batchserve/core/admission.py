@@ -168,7 +168,8 @@ class StepBuilder:
         cut (a step ceiling still cuts it). `max_seqs` caps this stage's seqs. `cover_prompts`:
         start a prompt only when the free blocks cover all of it beside what the prompts under
         way still owe (starting on the first chunk alone lets many long prompts start and then
-        preempt each other).
+        preempt each other). A copy of a prompt that another copy is computing waits for it
+        (`Scheduler.awaits_copy`) and is looked past, like one of lower priority.
         Candidates must be waiting requests."""
         sched = self.sched
         kv = sched.kv
@@ -183,7 +184,9 @@ class StepBuilder:
                 req = sched.waiting.peek() if it is None else next(it, None)
                 if req is None:
                     break
-                if req.priority > floor:
+                if req.group is not None and sched.awaits_copy(req):
+                    pass  # another copy is computing its prompt: look past it, holding back no one
+                elif req.priority > floor:
                     fit = self._admit_one(req, chunk, whole_prompts, cover_prompts, owed)
                     if fit is None:
                         break  # the budget is spent for everyone
@@ -208,7 +211,8 @@ class StepBuilder:
         sched = self.sched
         cfg = sched.config
         kv = sched.kv
-        n = req.num_tokens - req.num_computed_tokens
+        forked = sched.forkable(req) if req.group is not None else 0  # a copy's prompt already computed
+        n = req.num_tokens - req.num_computed_tokens - forked
         if whole_prompts and self.budget < n <= cfg.max_num_batched_tokens:
             return None
         n = min(n, self.budget) if chunk is None else min(chunk, self.budget, n)
@@ -219,7 +223,7 @@ class StepBuilder:
         if len(sched.running) >= cfg.max_num_seqs and not self._make_room(req, seat=True):
             return False
         if cover_prompts:
-            need = owed[0] + kv.num_blocks_needed(req.request_id, req.num_tokens)
+            need = owed[0] + kv.num_blocks_needed(req.request_id, req.num_tokens) - forked // kv.block_size
             while kv.num_free_blocks < need and not sched.reclaim(need, below=req):
                 if not self._make_room(req):
                     break

@@ -15,6 +15,12 @@ the capacity, admission and preemption behaviour are those of an unreserved pool
 reads a request's history faster when its blocks are contiguous (long sequential runs) than
 when they are scattered over the pool, as blocks handed out one at a time to requests growing
 side by side end up (measured in docs/performance.md, "The KV cache: dtype, layout and placement").
+
+Sharing: copies of one prompt (n > 1, best_of) fork a copy's table (`fork`): the first full
+blocks are the same block ids in both tables, each reference counted, so every request frees
+exactly its own references and a block returns to the pool (or the prefix cache) when the last
+one goes. A shared block is read-only: it holds only prompt positions before a request's first
+computed token, and a request writes KV only from its computed count on.
 """
 from __future__ import annotations
 
@@ -45,6 +51,7 @@ class KVCacheManager:
         self._req_hashes: dict[str, list[int]] = {}
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # prompt tokens found cached
+        self.forked_tokens = 0  # prompt tokens a copy took from another copy's blocks (fork)
 
     # --- capacity ----------------------------------------------------------------------
     @property
@@ -74,6 +81,10 @@ class KVCacheManager:
 
     def has(self, request_id: str) -> bool:
         return request_id in self._tables
+
+    def ref_count(self, block: int) -> int:
+        """How many requests' tables hold `block` (0: free or only cached)."""
+        return self._ref[block]
 
     # --- allocate / free ---------------------------------------------------------------
     def allocate(self, request_id: str, num_tokens: int, expect_tokens: int = 0) -> bool:
@@ -170,6 +181,26 @@ class KVCacheManager:
         block, _ = self._evictable.popitem(last=False)  # least recently used
         del self._by_hash[self._hash_of.pop(block)]
         return block
+
+    def fork(self, src_id: str, dst_id: str, num_tokens: int) -> int:
+        """Start `dst_id`'s table with the blocks of `src_id`'s that hold its first `num_tokens`
+        tokens, full blocks only (a partial block is never shared: its owner still writes to
+        it). Each shared block gains a reference; `free(dst_id)` drops exactly those. Returns
+        the tokens the shared blocks cover, which the caller counts as computed for `dst_id`
+        (it must then compute from there on, and `src_id` must have computed them). 0, with
+        nothing changed, when `dst_id` already has a table or `src_id` none."""
+        src = self._tables.get(src_id)
+        if src is None or dst_id in self._tables:
+            return 0
+        k = min(num_tokens // self.block_size, len(src))
+        table = src[:k]
+        for block in table:
+            self._ref[block] += 1
+        self._tables[dst_id] = table
+        if self.prefix_caching:  # the same chain names the same blocks; commit() goes on from it
+            self._req_hashes[dst_id] = self._req_hashes.get(src_id, [])[:k]
+        self.forked_tokens += k * self.block_size
+        return k * self.block_size
 
     # --- prefix caching ----------------------------------------------------------------
     def match_prefix(self, request: Request) -> int:

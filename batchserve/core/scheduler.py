@@ -9,6 +9,16 @@ Policies (core/policies/) decide only what differs between batching modes, and b
 batch through a `StepBuilder` (core/admission.py), the one implementation of "give running
 requests their tokens, then admit from the queue within budget, seats and blocks". Deadline
 rules (core/deadlines.py) return decisions that `apply` carries out. Time is always passed in.
+
+Copies of one prompt (a `group`: the choices of n > 1, the candidates of best_of) prefill it
+once. While one copy runs and has not yet computed the prompt's full blocks, the others wait
+in the queue (`awaits_copy`: admission looks past them, so they hold back no one); once it has,
+each is admitted as a fork of a copy that holds them (`KVCacheManager.fork`): those blocks are
+shared, refcounted and read-only, and the copy computes only the rest of its prompt (at most
+one block, the last, which is never shared) and its own tokens. So the token budget and
+`num_computed_tokens` count only what each copy computes, every copy frees exactly its own
+references (finish, abort, preemption), and a copy that ends early, the first included,
+leaves the others their blocks. A copy with no running copy to wait for prefills as usual.
 """
 from __future__ import annotations
 
@@ -56,6 +66,7 @@ class Scheduler:
         self._finished: list[Request] = []  # finished since the last drain_finished()
         self._scheduled_at: float | None = None  # when the batch now running was scheduled
         self.parked: dict[str, Request] = {}  # preempted, waiting, still holding their KV blocks (read-only)
+        self.groups: dict[str, list[Request]] = {}  # copies of one prompt, live ones, by Request.group
         self.num_preemptions = 0
         self.num_steps = 0
         self.token_gaps: list[float] = []  # the last update's inter-token latencies, one per token
@@ -67,8 +78,13 @@ class Scheduler:
         a request dropped for this one ends as `rejected`. Ended ones show in the next step."""
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
+        copies = self.groups.get(req.group) if req.group is not None else None
+        if copies and copies[0].prompt_token_ids != req.prompt_token_ids:
+            raise ValueError(f"request {req.request_id!r}: the copies of group {req.group!r} must share one prompt")
         self.waiting.resolve(req)  # level defaults (deadline) first: admission checks use them
         self.requests[req.request_id] = req
+        if req.group is not None:
+            self.groups.setdefault(req.group, []).append(req)
         idle = not self.running and not len(self.waiting)
         miss = self.deadlines.at_admission(req, len(self.running), now, idle=idle)
         if miss is not None:
@@ -78,6 +94,7 @@ class Scheduler:
             dropped = self.waiting.offer(req, now)
         except OverloadedError as e:
             del self.requests[req.request_id]
+            self._leave_group(req)
             req.set_status(RequestStatus.FINISHED_REJECTED)
             req.error, req.finish_time = str(e), now
             raise
@@ -145,7 +162,54 @@ class Scheduler:
         self.kv.free(req.request_id)
         self.parked.pop(req.request_id, None)
         self.requests.pop(req.request_id, None)
+        self._leave_group(req)
         self.waiting.metrics.on_finish(req)
+
+    def _leave_group(self, req: Request) -> None:
+        members = self.groups.get(req.group) if req.group is not None else None
+        if members is None:
+            return
+        if req in members:
+            members.remove(req)
+        if not members:
+            del self.groups[req.group]
+
+    # --- copies of one prompt (see the module docstring) ------------------------------------
+    def shared_prompt(self, req: Request) -> int:
+        """The prompt tokens `req` may share with the other copies of its group: its full
+        blocks but for at least one token, which each copy computes for its own logits (0 for
+        a request in no group, or one scoring its prompt, which computes every position)."""
+        if req.group is None or req.prompt_logprobs is not None:
+            return 0
+        bs = self.kv.block_size
+        return (len(req.prompt_token_ids) - 1) // bs * bs
+
+    def _fork_source(self, req: Request, share: int) -> Request | None:
+        """A copy of `req`'s group whose table holds the shared prompt computed (copies of a
+        group have one prompt: `add` checks it)."""
+        for m in self.groups.get(req.group, ()):
+            if m is not req and m.num_computed_tokens >= share and self.kv.has(m.request_id):
+                return m
+        return None
+
+    def forkable(self, req: Request) -> int:
+        """The prompt tokens waiting `req` would take from another copy if admitted now (0: none;
+        it has blocks of its own, or no copy holds the shared ones computed)."""
+        if req.group is None or self.kv.has(req.request_id):
+            return 0
+        share = self.shared_prompt(req)
+        return share if share and self._fork_source(req, share) is not None else 0
+
+    def awaits_copy(self, req: Request) -> bool:
+        """Whether waiting `req` should stay queued for now: another copy of its prompt runs
+        and is still computing the shared blocks, and no copy holds them yet. Admission looks
+        past such a request (it holds back no one) and tries it again next step."""
+        if req.group is None or self.kv.has(req.request_id):
+            return False
+        share = self.shared_prompt(req)
+        if not share or self._fork_source(req, share) is not None:
+            return False
+        return any(m is not req and m.status is _RUNNING for m in self.groups.get(req.group, ()))
 
     def apply(self, decision: Decision, now: float) -> None:
         """Carry out a deadline rule's decision."""
@@ -386,8 +450,12 @@ class Scheduler:
         (after any cached prefix). None, with nothing changed, if its blocks don't fit."""
         fresh = not self.kv.has(req.request_id)  # else preempted with its blocks kept: it resumes
         if fresh:
-            # (a request scoring its prompt computes every position: no cached prefix)
-            req.num_computed_tokens = self.kv.match_prefix(req) if req.prompt_logprobs is None else 0
+            share = self.shared_prompt(req)
+            src = self._fork_source(req, share) if share else None
+            if src is not None:  # a copy of a prompt another copy computed: share its blocks
+                req.num_computed_tokens = self.kv.fork(src.request_id, req.request_id, share)
+            else:  # (a request scoring its prompt computes every position: no cached prefix)
+                req.num_computed_tokens = self.kv.match_prefix(req) if req.prompt_logprobs is None else 0
             n = min(n, req.num_tokens - req.num_computed_tokens)
         if not self.kv.allocate(req.request_id, req.num_computed_tokens + n, req.max_num_tokens):
             if fresh:

@@ -172,6 +172,35 @@ class AsyncEngine(EngineClient):
             raise
         return stream
 
+    async def add_many(self, specs: list[RequestSpec]) -> list[RequestStream]:
+        """`add` for several requests at once: all are tokenized and checked first, then handed
+        to the engine thread together, so that it takes them all before its next step (copies
+        of one prompt must all be queued while the first computes it, or they would not share
+        its prefill). A failure raises the first error, every request already taken aborted."""
+        if not self.ready:
+            raise EngineStoppedError("the model is not loaded yet" if not self._stopping else "shutting down")
+        loop = asyncio.get_running_loop()
+        prepared = [await loop.run_in_executor(self._tokenizer, self.engine.prepare, spec) for spec in specs]
+        commands = [_Add(spec, loop.create_future(), self._admit(spec).name) for spec in prepared]
+        streams = [RequestStream(spec.request_id) for spec in prepared]
+        if not self._post_all(commands):
+            raise EngineStoppedError("the engine thread died" if self._died is not None else "shutting down")
+        for stream in streams:
+            self._streams[stream.request_id] = stream
+        try:
+            results = await asyncio.gather(*(c.future for c in commands), return_exceptions=True)
+        except asyncio.CancelledError:
+            for stream in streams:
+                self.abort(stream.request_id)  # the caller left while the adds were in flight
+            raise
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            for stream, r in zip(streams, results):
+                if not isinstance(r, BaseException):
+                    self.abort(stream.request_id)
+            raise errors[0]
+        return streams
+
     async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None,
                        add_generation_prompt: bool = True) -> list[int]:
         """On the tokenizer thread, like `add`: a long prompt never holds up a model step."""
@@ -247,6 +276,17 @@ class AsyncEngine(EngineClient):
                     return False
                 self._posted[command.level] += 1
             self._inbox.append(command)
+            self._cond.notify()
+        return True
+
+    def _post_all(self, adds: list[_Add]) -> bool:
+        """`_post` for several adds under one lock, so the engine thread drains them together."""
+        with self._cond:
+            if self._stopping or self._died is not None:
+                return False
+            for command in adds:
+                self._posted[command.level] += 1
+                self._inbox.append(command)
             self._cond.notify()
         return True
 

@@ -102,6 +102,20 @@ class EngineClient(abc.ABC):
         """Queue a request (`spec.request_id` set). Raises RequestError, OverloadedError or
         EngineStoppedError."""
 
+    async def add_many(self, specs: list[RequestSpec]) -> list[RequestStream]:
+        """Queue several requests (copies of one prompt among them), raising the first error
+        with every one already queued aborted. An engine that can take them all before its next
+        step should (AsyncEngine does): the copies of a prompt then share its prefill."""
+        streams: list[RequestStream] = []
+        try:
+            for spec in specs:
+                streams.append(await self.add(spec))
+        except BaseException:
+            for s in streams:
+                self.abort(s.request_id)
+            raise
+        return streams
+
     @abc.abstractmethod
     def abort(self, request_id: str) -> None:
         """End a request now (the client left)."""

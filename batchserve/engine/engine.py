@@ -188,7 +188,7 @@ class LLMEngine:
         at = spec.arrival_time if now is None else now
         req = self._new_request(spec.prompt, spec.params, at, spec.request_id, spec.priority, spec.deadline_ms,
                                 spec.deadline_kind)
-        req.tenant = spec.tenant
+        req.tenant, req.group = spec.tenant, spec.group
         if spec.constraint is not None:  # a prepared spec carries its grammar; one grammar per request
             req.grammar = spec.grammar if prepared and spec.grammar is not None else self.compile(spec.constraint)
             req.extras = True
@@ -201,10 +201,10 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int] | None, params: SamplingParams, now: float | None = None,
                     request_id: str | None = None, priority: int = DEFAULT_PRIORITY, deadline_ms: float | None = None,
                     deadline_kind: str | None = None, messages: list[dict] | None = None,
-                    tenant: str | None = None) -> Request:
+                    tenant: str | None = None, group: str | None = None) -> Request:
         """`add` with the spec's fields as arguments (offline use, tests, simulators)."""
         return self.add(RequestSpec(params, prompt, messages, request_id, priority, deadline_ms, deadline_kind,
-                                    tenant=tenant), now)
+                                    tenant=tenant, group=group), now)
 
     def add_prefilled(self, prompt_ids: list[int], first_token: int, kv: Any, params: SamplingParams,
                       now: float | None = None, request_id: str | None = None, priority: int = DEFAULT_PRIORITY,

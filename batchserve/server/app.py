@@ -36,7 +36,8 @@ from batchserve.server.metrics import ServerMetrics
 from batchserve.server import openapi
 from batchserve.server.protocol import (APIError, GenerationRequest, _messages, _refuse_unknown, bad,
                                         parse_generation, parse_json)
-from batchserve.server.responses import ChunkWriter, completion_body, output_error, retry_after, usage
+from batchserve.server.responses import (ChunkWriter, best_candidates, completion_body, output_error, retry_after,
+                                         usage)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -206,16 +207,15 @@ class ServerState:
                 (tok.decode(s.prompt) if tok is not None else "") for s in g.specs]
 
     async def _generate_many(self, request: Request, g: GenerationRequest, rid: str, arrival: float) -> Response:
-        """Several choices (n > 1, or several prompts): one engine request each, answered
-        together; any choice failing fails the whole request, as a single one would."""
-        streams: list[RequestStream] = []
-        try:
-            for i, spec in enumerate(g.specs):
-                streams.append(await self._add(spec, f"{rid}-{i}", arrival))
-        except BaseException:
-            for s in streams:
-                self.engine.abort(s.request_id)
-            raise
+        """Several choices (n > 1, several prompts, or best_of's candidates): one engine request
+        each, answered together; any one failing fails the whole request, as a single one would.
+        The copies of one prompt form a group, so the engine prefills that prompt once. With
+        best_of > n, each prompt's n best candidates are answered (responses.best_candidates)
+        and usage counts every candidate's tokens."""
+        k = g.candidates
+        streams = await self._add_many([dataclasses.replace(
+            spec, request_id=f"{rid}-{i}", arrival_time=arrival, group=f"{rid}-p{i // k}" if k > 1 else None)
+            for i, spec in enumerate(g.specs)])
         ids = [s.request_id for s in streams]
 
         def fail_all(outs: list[RequestOutput]) -> None:
@@ -229,11 +229,18 @@ class ServerState:
                 raise
 
         if not g.stream:
-            outs = await self.until_disconnect(request, asyncio.gather(*(s.collect() for s in streams)), ids)
+            outs = list(await self.until_disconnect(request, asyncio.gather(*(s.collect() for s in streams)), ids))
             fail_all(outs)
-            return JSONResponse(completion_body(rid, int(time.time()), g.model, list(outs), g.chat,
+            echoes, used = self._echoes(g), None
+            if k > g.n:  # best_of
+                used = usage(outs, k)
+                picked = best_candidates(outs, k, g.n)
+                outs = [dataclasses.replace(outs[i], logprobs=None, new_logprobs=None) if g.ranking_logprobs
+                        else outs[i] for i in picked]
+                echoes = [echoes[i] for i in picked] if echoes else None
+            return JSONResponse(completion_body(rid, int(time.time()), g.model, outs, g.chat,
                                                 self.config.native_finish_reasons, self.engine.token_text, g.n,
-                                                self._echoes(g), g.tool_calling),
+                                                echoes, g.tool_calling, used),
                                 headers={"X-Request-Id": rid})
         firsts = await self.until_disconnect(request, asyncio.gather(*(s.next() for s in streams)), ids)
         fail_all(firsts)
@@ -282,8 +289,14 @@ class ServerState:
             end()
 
     async def _add(self, spec: RequestSpec, rid: str, arrival: float) -> RequestStream:
+        return (await self._add_many([dataclasses.replace(spec, request_id=rid, arrival_time=arrival)]))[0]
+
+    async def _add_many(self, specs: list[RequestSpec]) -> list[RequestStream]:
+        """Queue the specs (ids and arrival set) together; an engine error as its HTTP error."""
         try:
-            return await self.engine.add(dataclasses.replace(spec, request_id=rid, arrival_time=arrival))
+            if len(specs) == 1:
+                return [await self.engine.add(specs[0])]
+            return await self.engine.add_many(specs)
         except RequestError as e:
             raise bad(e.param, e.message) from None
         except OverloadedError as e:

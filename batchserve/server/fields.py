@@ -74,7 +74,7 @@ FIELDS: tuple[FieldSpec, ...] = (
     _f("max_tokens",                  "b", "integer",       "ok",  (4,),            "openai",     "✓", "✓", "completions default 16; chat default: the room the context leaves, capped by --default-max-tokens"),
     _f("temperature",                 "b", "number",        "ok",  (0.7,),          "openai",     "✓", "✓", "0 is greedy; range [0, 2]"),
     _f("top_p",                       "b", "number",        "ok",  (0.9,),          "openai",     "✓", "✓", "nucleus sampling; (0, 1]"),
-    _f("n",                           "b", "integer",       "ok",  (2,),            "openai",     "✓", "◐", "choices per prompt, each its own request (the prompt's KV is shared through the prefix cache); with a seed, choice j uses seed + j; at most 64 choices in all"),
+    _f("n",                           "b", "integer",       "ok",  (2,),            "openai",     "✓", "◐", "choices per prompt, each its own request; the prompt is prefilled once and its KV blocks shared by the copies; with a seed, choice j uses seed + j; at most 64 choices in all"),
     _f("stream",                      "b", "boolean",       "ok",  (False,),        "openai",     "✓", "✓", "server-sent events, ending with data: [DONE]"),
     _f("stream_options",              "b", "object",        "ok",  ({"include_usage": True},), "openai", "✓", "✓", "include_usage only; only with stream: true"),
     _f("stop",                        "b", "string|array",  "ok",  (["\n\n"],),     "openai",     "✓", "✓", "up to 16 strings; the stop string is not in the output"),
@@ -87,7 +87,7 @@ FIELDS: tuple[FieldSpec, ...] = (
     # --- OpenAI, completions only ---------------------------------------------------------------------------
     _f("prompt",                      "c", "string|array",  "ok",  ("Hello",),      "openai",     "✓", "✓", "text or token ids, or a list of either: a choice per prompt (n per prompt), indexed in order"),
     _f("echo",                        "c", "boolean",       "ok",  (True,),         "openai",     "✓", "✗", "the choice's text starts with its prompt; with logprobs, the prompt's tokens are scored too (first: null), not streamed"),
-    _f("best_of",                     "c", "integer",       "def", (1,),            "openai",     "✓", "✗", "not implemented yet"),
+    _f("best_of",                     "c", "integer",       "ok",  (3,),            "openai",     "◐", "✗", "candidates per prompt (>= n, at most 64 in all), prefilled once; the n with the highest cumulative logprob of their sampled tokens are answered, best first; usage counts every candidate; not with stream (vLLM's V1 engine dropped best_of > 1)"),
     _f("suffix",                      "c", "string",        "def", ("",),           "openai",     "✗", "✗", "fill-in-the-middle is not supported"),
     # --- OpenAI, chat only ---------------------------------------------------------------------------------
     _f("messages",                    "h", "array",         "ok",  ([{"role": "user", "content": "Hi"}],), "openai", "✓", "✓", "text content only (string or text parts), through the model's chat template"),

@@ -63,14 +63,19 @@ def bad(param: str | None, message: str, code: str = "invalid_value") -> APIErro
     return APIError(400, f"{param}: {message}" if param else message, param=param, code=code)
 
 
-MAX_CHOICES = 64  # choices one HTTP request may ask for: prompts times n
+MAX_CHOICES = 64  # choices (or best_of candidates) one HTTP request may ask for: prompts times n
 
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """A validated completion or chat request: `specs` for the engine, one per choice, choice
-    i * n + j being prompt i's j-th (request ids and arrival time are the server's to fill in);
-    the rest for the response. `echo`: each choice's text starts with its prompt's."""
+    """A validated completion or chat request: `specs` for the engine, `candidates` per prompt,
+    spec i * candidates + j being prompt i's j-th (request ids, arrival time and the group that
+    shares a prompt's prefill are the server's to fill in); the rest for the response. Without
+    best_of, `candidates` is `n` and spec i * n + j is choice i * n + j; with best_of > n it is
+    best_of, and of each prompt's candidates the n with the highest cumulative logprob of their
+    sampled tokens are answered (`ranking_logprobs`: the client asked for no logprobs; the
+    candidates report them only for that ranking). `echo`: each choice's text starts with its
+    prompt's."""
 
     chat: bool
     model: str
@@ -78,6 +83,8 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     n: int = 1
+    candidates: int = 1
+    ranking_logprobs: bool = False
     echo: bool = False
     tool_calling: ToolCalling | None = None  # tool_choice calls a tool: the answer becomes tool calls
 
@@ -427,6 +434,17 @@ def parse_generation(body: dict[str, Any], chat: bool, default_max_tokens: int =
     n = _int(body, "n", lo=1, hi=MAX_CHOICES) or 1
     if n * len(prompts) > MAX_CHOICES:
         raise bad("n", f"{len(prompts)} prompts times n = {n} asks for more than {MAX_CHOICES} choices")
+    best_of = None if chat else _int(body, "best_of", lo=1, hi=MAX_CHOICES)
+    if best_of is not None:
+        if best_of < n:
+            raise bad("best_of", f"must be at least n ({n}), got {best_of}")
+        if stream:
+            raise bad("best_of", "cannot be streamed (the best candidates are known only at the end): set stream "
+                      "to false")
+        if best_of * len(prompts) > MAX_CHOICES:
+            raise bad("best_of", f"{len(prompts)} prompts times best_of = {best_of} asks for more than "
+                      f"{MAX_CHOICES} candidates")
+    candidates = best_of if best_of is not None and best_of > n else n
     echo = bool(_bool(body, "echo")) if not chat else False
     tools, calling = None, None
     if chat:
@@ -451,7 +469,8 @@ def parse_generation(body: dict[str, Any], chat: bool, default_max_tokens: int =
             temperature=1.0 if temperature is None else temperature, top_p=1.0 if top_p is None else top_p,
             top_k=max(0, top_k or 0), seed=_int(body, "seed"), stop=_stop(body),
             ignore_eos=bool(_bool(body, "ignore_eos")), stop_token_ids=_token_ids(body),
-            logit_bias=_logit_bias(body), min_tokens=min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            logit_bias=_logit_bias(body), min_tokens=min_tokens, prompt_logprobs=prompt_logprobs,
+            logprobs=0 if logprobs is None and candidates > n else logprobs,  # best_of ranks by them
             **{k: v for k, v in penalties.items() if v is not None})
         spec = RequestSpec(params, prompts[0], messages, priority=priority,
                            deadline_ms=body.get("deadline_ms"), deadline_kind=body.get("deadline_kind"),
@@ -460,14 +479,15 @@ def parse_generation(body: dict[str, Any], chat: bool, default_max_tokens: int =
     except RequestError as e:
         raise bad(e.param, e.message) from None
     specs = tuple(spec if i == j == 0 else dataclasses.replace(spec, prompt=p, params=_child(params, j))
-                  for i, p in enumerate(prompts) for j in range(n))
+                  for i, p in enumerate(prompts) for j in range(candidates))
     return GenerationRequest(chat=chat, model=model, specs=specs, stream=stream, include_usage=include_usage,
-                             n=n, echo=echo, tool_calling=calling)
+                             n=n, candidates=candidates, ranking_logprobs=logprobs is None and candidates > n,
+                             echo=echo, tool_calling=calling)
 
 
 def _child(params: SamplingParams, j: int) -> SamplingParams:
-    """The params of a prompt's j-th choice: its own seed (seed + j) when one is set, so that
-    the choices differ and each stays reproducible."""
+    """The params of a prompt's j-th choice (or best_of candidate): its own seed (seed + j)
+    when one is set, so that the choices differ and each stays reproducible."""
     if j == 0 or params.seed is None:
         return params
     return dataclasses.replace(params, seed=(params.seed + j + 2**63) % 2**64 - 2**63)

@@ -67,6 +67,22 @@ def usage(out: RequestOutput | list[RequestOutput], n: int = 1) -> dict[str, int
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
+def cumulative_logprob(out: RequestOutput) -> float:
+    """The sum of the logprobs of an output's sampled tokens (0 for one that reports none)."""
+    return math.fsum(e.logprob for e in out.logprobs or ())
+
+
+def best_candidates(outs: list[RequestOutput], candidates: int, n: int) -> list[int]:
+    """best_of: of each prompt's `candidates` consecutive outputs, the indices of the `n` with
+    the highest cumulative logprob of their sampled tokens, best first (a tie: the earlier
+    candidate), prompt by prompt (OpenAI's and vLLM's ranking)."""
+    picked: list[int] = []
+    for start in range(0, len(outs), candidates):
+        group = range(start, min(start + candidates, len(outs)))
+        picked += sorted(group, key=lambda i: (-cumulative_logprob(outs[i]), i))[:n]
+    return picked
+
+
 TokenText = Callable[[int], str]
 
 
@@ -120,11 +136,13 @@ def _vllm_prompt_logprobs(out: RequestOutput, text: TokenText) -> list | None:
 
 def completion_body(rid: str, created: int, model: str, out: RequestOutput | list[RequestOutput], chat: bool,
                     native_finish: bool = False, token_text: TokenText = str, n: int = 1,
-                    prefixes: list[str] | None = None, tool_calling: ToolCalling | None = None) -> dict[str, Any]:
+                    prefixes: list[str] | None = None, tool_calling: ToolCalling | None = None,
+                    usage_: dict[str, int] | None = None) -> dict[str, Any]:
     """The non-streaming response for a finished output, or a request's finished choices in
     order (n per prompt); `native_finish`: see finish_fields; `token_text`: a token's text, for
     logprobs; `prefixes`: text before each choice's (echo); `tool_calling`: the answers are
-    tool calls."""
+    tool calls; `usage_`: the usage to report, when more was generated than is answered
+    (best_of: every candidate's tokens count), else that of the choices."""
     outs = out if isinstance(out, list) else [out]
     choices = []
     for i, o in enumerate(outs):
@@ -143,7 +161,7 @@ def completion_body(rid: str, created: int, model: str, out: RequestOutput | lis
         if o.prompt_logprobs is not None:
             choices[-1]["prompt_logprobs"] = _vllm_prompt_logprobs(o, token_text)
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": model, "choices": choices, "usage": usage(outs, n)}
+            "model": model, "choices": choices, "usage": usage(outs, n) if usage_ is None else usage_}
 
 
 def sse(obj: dict[str, Any]) -> bytes:
