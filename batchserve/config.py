@@ -63,14 +63,21 @@ class ModelConfig:
     else oneDNN on packed weights where it runs, else F.linear; cpp, onednn, torch: require one.
 
     `matmul_dtype` (`runner.model_runner.resolve_matmul_dtype`): auto is int8 on a CPU with
-    AVX512-VNNI for a float32 model with GGUF blocks (the C++ GEMM), else the products run in
-    `dtype`. float32 gives products bit-identical to the dequantized weights'. bfloat16 with
+    AVX512-VNNI or AVX2 for a float32 model with GGUF blocks (the C++ GEMM), else the products run
+    in `dtype`. float32 gives products bit-identical to the dequantized weights'. bfloat16 with
     dtype float32 runs the decoder layers' products in bf16 (half the weight bytes; faster where
     the CPU has bf16 instructions) and all else in float32. int16 / int8: a GGUF file's Q4_0,
     Q4_1, Q4_K and Q8_0 matrices multiply activations quantized to int16 / int8 per 32 values
-    (AVX512-VNNI integer dot products): int16 gives the float32 model's output, int8 is
+    (AVX512-VNNI or AVX2 integer dot products): int16 gives the float32 model's output, int8 is
     llama.cpp's scheme and differs more. Both need dtype float32, quantized_weights auto, device
     cpu and linear_backend auto or cpp.
+
+    `cpu_isa` (`runner.models.llama.cpu_isa_in_use`): the code path of the C++ matrix products,
+    float32 and integer alike. auto: the best this CPU has (AVX-512, its VNNI for integer products;
+    else AVX2; else portable C++). avx512, avx2, portable force one for the whole model (refused,
+    naming cpu_isa, when the CPU lacks it), so that one machine can run and check the paths other
+    CPUs take; the auto choices of linear_backend and matmul_dtype then follow that path as they
+    would on such a CPU. oneDNN and PyTorch pick their own code paths.
 
     `quantized_weights`: auto keeps a GGUF file's Q4_0 / Q4_1 / Q4_K / Q6_K / Q8_0 matrices in
     their blocks and the C++ GEMM multiplies from them (CPU, float32 activations; with float32
@@ -92,6 +99,8 @@ class ModelConfig:
                               "need GGUF blocks", choices=("auto", "float32", "bfloat16", "int16", "int8"))
     quantized_weights: Literal["auto", "off"] = _flag(
         "auto", "auto: multiply from a GGUF file's quantized blocks as stored; off: dequantize at load")
+    cpu_isa: Literal["auto", "avx512", "avx2", "portable"] = _flag(
+        "auto", "code path of the C++ matrix products: the CPU's best (auto), or force one to run or check it")
 
     def __post_init__(self) -> None:
         _check(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
@@ -106,6 +115,10 @@ class ModelConfig:
                f"must be auto, {self.dtype!r}, bfloat16, int8 or int16 (with dtype float32), got {self.matmul_dtype!r}")
         _check(self.quantized_weights in ("auto", "off"), "quantized_weights",
                f"must be auto or off, got {self.quantized_weights!r}")
+        _check(self.cpu_isa in ("auto", "avx512", "avx2", "portable"), "cpu_isa",
+               f"must be auto, avx512, avx2 or portable, got {self.cpu_isa!r}")
+        _check(self.cpu_isa == "auto" or self.device == "cpu", "cpu_isa",
+               f"forces a code path of the CPU's matrix products: it needs device cpu, got {self.device!r}")
         _check(self.matmul_dtype not in ("int8", "int16")
                or (self.dtype == "float32" and self.quantized_weights == "auto"),
                "matmul_dtype", "integer matrix products multiply a GGUF file's blocks: they need dtype float32 and "

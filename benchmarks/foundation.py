@@ -124,12 +124,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "int8"],
                     help="the engine's --kv-cache-dtype (a value other than auto gets its own section; the ceilings "
                          "still count float32 K/V, and the workload's is also shown at the cache's own bytes)")
+    ap.add_argument("--cpu-isa", default="auto", choices=["auto", "avx512", "avx2", "portable"],
+                    help="the engine's --cpu-isa: the C++ matrix products' code path (a value other than auto gets "
+                         "its own section)")
     a = ap.parse_args(argv)
 
     from batchserve.llm import LLM
 
     llm = LLM(kv_cache_gb=2.0, max_num_seqs=64, max_num_batched_tokens=2048, matmul_dtype=a.matmul_dtype,
-              kv_cache_dtype=a.kv_cache_dtype)
+              kv_cache_dtype=a.kv_cache_dtype, cpu_isa=a.cpu_isa)
     runner, cfg = llm.engine.executor, llm.engine.executor.cfg
     integer = runner.model.act_bits > 0  # the products run as integer dot products
     mmd = f"int{runner.model.act_bits}"
@@ -240,7 +243,8 @@ def main(argv: list[str] | None = None) -> None:
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     body = "\n".join(lines)
     mode = ("" if a.matmul_dtype == "auto" else f" --matmul-dtype {a.matmul_dtype}") + (
-        "" if a.kv_cache_dtype == "auto" else f" --kv-cache-dtype {a.kv_cache_dtype}")
+        "" if a.kv_cache_dtype == "auto" else f" --kv-cache-dtype {a.kv_cache_dtype}") + (
+        "" if a.cpu_isa == "auto" else f" --cpu-isa {a.cpu_isa}")
     head = f"## Foundation,{mode}:" if mode else "## Foundation:"
     report = (f"{head} decode, prefill, offline throughput\n\nCommand: `python -m "
               f"benchmarks.foundation{' --skip-hf' if a.skip_hf else ''}{mode}`, {stamp}"

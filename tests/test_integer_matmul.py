@@ -1,5 +1,6 @@
 """--matmul-dtype int8 / int16: activations quantized to int8 or int16 per 32 k, multiplied into a
-GGUF file's integer quants (the C++ GEMM's AVX512-VNNI dot products, and its portable code)."""
+GGUF file's integer quants (the C++ GEMM's AVX512-VNNI and AVX2 dot products, and its portable
+code); --cpu-isa, which forces one of those paths."""
 from __future__ import annotations
 
 import pytest
@@ -17,7 +18,13 @@ KINDS = ("Q4_1", "Q8_0", "Q4_0", "Q4_K")  # one scale per 32 k
 FMT = {"Q4_1": 0, "Q8_0": 1, "Q4_0": 0, "Q4_K": 0}  # gemm_int's panel layouts
 BITS = (8, 16)
 TOL = {8: 0.012, 16: 1e-4}  # relative error against the float32 activations' product (measured ~0.006 / ~2.5e-5)
-ISAS = {"portable": 0, "avx512-vnni": 2}
+ISAS = {"portable": 0, "avx2": 1, "avx512": 2}  # gemm_int's isa_override codes (avx512: VNNI)
+
+
+def _int_paths() -> list[int]:
+    """The integer code paths this CPU runs (every one up to its best), slowest first."""
+    best = ISAS[gemm_ext().int_isa()]
+    return [code for code in ISAS.values() if code <= best]
 
 
 def _quantize_like_the_kernel(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -50,14 +57,14 @@ def test_integer_panels_hold_ggufs_own_dequantization(kind, bits):
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_integer_gemm_is_the_same_on_every_code_path_and_exact_for_the_quantized_activations(kind, bits):
-    """AVX-512 VNNI and portable code give the same bits (the integer sums are exact and each
+    """AVX-512 VNNI, AVX2 and portable code give the same bits (the integer sums are exact and each
     block's fold is the same two roundings); the result is the float64 product of the weights
     with the activations as the kernel quantizes them (to float32 rounding), and close to the
     product with the float32 activations — the activations' rounding, nothing more (~1 % for
     int8, ~0.01 % for int16)."""
     ext = gemm_ext()
     g = torch.Generator().manual_seed(3)
-    paths = [p for p in ISAS.values() if p == 0 or ext.has_vnni()]
+    paths = _int_paths()
     for n, k in ((70, 96), (960, 576)):
         k = _k(kind, k)
         raw, dense = _blocks(n, k, kind, seed=n)
@@ -83,7 +90,7 @@ def test_integer_gemm_is_the_same_on_every_code_path_and_exact_for_the_quantized
 @pytest.mark.parametrize("bits", BITS)
 def test_non_finite_inputs_give_nan_rows_on_every_path_and_tiny_blocks_contribute_nothing(bits):
     """A NaN or infinity in a row makes that row's outputs NaN (as float32 products would), on the
-    AVX-512 and the portable path alike, and leaves the other rows as they were; a block whose
+    AVX-512, AVX2 and portable paths alike, and leaves the other rows as they were; a block whose
     values are too small to scale (act_max / max|x| not finite) contributes 0."""
     ext = gemm_ext()
     raw, dense = _blocks(40, 96, "Q4_1")
@@ -93,7 +100,7 @@ def test_non_finite_inputs_give_nan_rows_on_every_path_and_tiny_blocks_contribut
     x[1, 40] = float("nan")
     x[2, 70] = float("inf")
     x[3, :32] = 1e-38
-    paths = [p for p in ISAS.values() if p == 0 or ext.has_vnni()]
+    paths = _int_paths()
     for p in paths:
         y = ext.gemm_int(x, wq, 40, 0, bits, p)
         assert torch.isnan(y[1]).all() and torch.isnan(y[2]).all(), p
@@ -160,7 +167,7 @@ def test_gated_product_is_silu_mul_then_the_product_bit_for_bit(bits):
         pytest.skip("no fused ops")
     raw, _ = _blocks(70, 96, "Q4_1", seed=5)
     wq = ext.pack_int(raw, 0, bits)
-    paths = [p for p in ISAS.values() if p == 0 or ext.has_vnni()]
+    paths = _int_paths()
     g = torch.Generator().manual_seed(11)
     for m in (1, 6, 13, 24, 600):
         gu = torch.randn(m, 192, generator=g) * 4
@@ -253,18 +260,24 @@ def test_smollm2_in_integer_modes_stays_close_to_float32():
         assert "Paris" in answer.text, mm
 
 
-def test_auto_picks_int8_for_gguf_blocks_on_a_vnni_cpu_and_float32_elsewhere():
+def test_auto_picks_int8_for_gguf_blocks_on_a_vnni_or_avx2_cpu_and_float32_elsewhere():
     """matmul_dtype auto: int8 dot products where they run fast (a GGUF file's blocks, the C++
-    GEMM, AVX512-VNNI); the float32 products when the blocks are off, another backend is asked
-    for, the model has no blocks, or the CPU lacks VNNI. An explicit dtype is kept."""
+    GEMM, AVX512-VNNI or AVX2 — this CPU's best, or the path cpu_isa forces); the float32 products
+    when the blocks are off, another backend is asked for, the model has no blocks, or the integer
+    products would run in portable C++. An explicit dtype is kept."""
     from batchserve.runner.loader import LoadedModel
-    from batchserve.runner.model_runner import resolve_matmul_dtype
+    from batchserve.runner.model_runner import FAST_INT8_ISAS, resolve_matmul_dtype
 
-    vnni = bool(gemm_ext().has_vnni())
+    assert FAST_INT8_ISAS == {"avx512", "avx2"}
+    best = gemm_ext().int_isa()
     blocks = LoadedModel(config=None, weights={}, tokenizer=None, name="t", quantized={"w": (0, torch.zeros(1, 20, dtype=torch.uint8))})
     q6k = LoadedModel(config=None, weights={}, tokenizer=None, name="t", quantized={"w": (4, torch.zeros(1, 210, dtype=torch.uint8))})
     dense = LoadedModel(config=None, weights={}, tokenizer=None, name="t")
-    assert resolve_matmul_dtype(ModelConfig(), blocks) == (torch.int8 if vnni else None)
+    assert resolve_matmul_dtype(ModelConfig(), blocks) == (torch.int8 if best != "portable" else None)
+    if best != "portable":  # an AVX2-only CPU's choice, made here too
+        assert resolve_matmul_dtype(ModelConfig(cpu_isa="avx2"), blocks) == torch.int8
+    assert resolve_matmul_dtype(ModelConfig(cpu_isa="portable"), blocks) is None
+    assert resolve_matmul_dtype(ModelConfig(cpu_isa="portable", matmul_dtype="int8"), blocks) == torch.int8
     assert resolve_matmul_dtype(ModelConfig(matmul_dtype="int16"), blocks) == torch.int16
     assert resolve_matmul_dtype(ModelConfig(), dense) is None
     assert resolve_matmul_dtype(ModelConfig(), q6k) is None  # Q6_K alone: no integer path
@@ -273,3 +286,149 @@ def test_auto_picks_int8_for_gguf_blocks_on_a_vnni_cpu_and_float32_elsewhere():
     assert resolve_matmul_dtype(ModelConfig(matmul_dtype="float32"), blocks) is None
     assert resolve_matmul_dtype(ModelConfig(matmul_dtype="int8"), blocks) == torch.int8
     assert resolve_matmul_dtype(ModelConfig(matmul_dtype="bfloat16"), blocks) == torch.bfloat16
+
+
+needs_avx2 = pytest.mark.skipif("gemm_ext() is None or gemm_ext().int_isa() == 'portable'",
+                                reason="no AVX2 integer path on this CPU")
+
+
+@needs_avx2
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_avx2_integer_path_equals_the_portable_one_for_every_row_count_and_column_tail(kind, bits):
+    """The AVX2 tiles (vpmaddubsw / vpmaddwd, a quarter panel per vector, 4 or 6 rows per tile)
+    give the portable code's bits for every source format and activation width, for 1 to 70 rows
+    (every tile size and remainder) and N with partial last panels (1, 33, 95 columns); the
+    result is the float64 product of the quantized activations with the weights, and within the
+    activations' rounding of the float32 product."""
+    ext = gemm_ext()
+    g = torch.Generator().manual_seed(7)
+    for n, k in ((1, 96), (33, 96), (95, 576)):
+        k = _k(kind, k)
+        raw, dense = _blocks(n, k, kind, seed=n + bits)
+        wq = ext.pack_int(raw, FORMATS[kind], bits)
+        for m in range(1, 71):
+            x = torch.randn(m, k, generator=g)
+            y = ext.gemm_int(x, wq, n, FMT[kind], bits, ISAS["avx2"])
+            assert torch.equal(y, ext.gemm_int(x, wq, n, FMT[kind], bits, ISAS["portable"])), (n, k, m)
+            exact = _quantize_like_the_kernel(x, bits) @ dense.double().t()
+            torch.testing.assert_close(y.double(), exact, rtol=1e-5, atol=1e-6 * k ** 0.5 * dense.abs().max().item())
+            if n > 1:  # one output column can cancel to near zero: no relative bound there
+                full = x.double() @ dense.double().t()
+                assert (y.double() - full).norm() / full.norm() < TOL[bits], (n, k, m)
+
+
+def _extreme_blocks(kind: str, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks whose every quant is the largest its format holds (4-bit 15; Q8_0 127, or -128 in
+    every other row), and gguf's dequantization of them."""
+    import gguf
+    import numpy as np
+
+    raw, _ = _blocks(n, k, kind)
+    r = raw.numpy().copy()
+    if kind == "Q8_0":
+        b = r.reshape(n, -1, 34)
+        b[:, :, 2:] = 127
+        b[1::2, :, 2:] = np.uint8(128)  # int8 -128
+    else:
+        per, first = {"Q4_1": (20, 4), "Q4_0": (18, 2), "Q4_K": (144, 16)}[kind]
+        r.reshape(n, -1, per)[:, :, first:] = 0xFF
+    qt = gguf.GGMLQuantizationType[kind]
+    return torch.from_numpy(r), torch.from_numpy(gguf.dequantize(r, qt).astype(np.float32))
+
+
+@needs_avx2
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_avx2_integer_sums_do_not_saturate_at_the_extremes(kind, bits):
+    """The bound the AVX2 tile's comment proves, at its edge: every weight quant at its largest
+    (a Q8_0 byte 255: both nibbles 15) times activations all at +-127 (+-32767), of one sign over
+    whole blocks or alternating: each int16 lane reaches 30,480, and the output is still the
+    portable path's and the exact product's. Multiplying whole Q8_0 bytes in vpmaddubsw would
+    saturate here."""
+    ext = gemm_ext()
+    n, k = 40, _k(kind, 128)
+    raw, dense = _extreme_blocks(kind, n, k)
+    wq = ext.pack_int(raw, FORMATS[kind], bits)
+    signs = torch.ones(k)
+    x = torch.stack([signs, -signs, signs * torch.tensor([1.0, -1.0]).repeat(k // 2),
+                     torch.where(torch.arange(k) // 32 % 2 == 0, 1.0, -1.0), torch.randn(k)])
+    y = ext.gemm_int(x, wq, n, FMT[kind], bits, ISAS["avx2"])
+    assert torch.equal(y, ext.gemm_int(x, wq, n, FMT[kind], bits, ISAS["portable"]))
+    exact = _quantize_like_the_kernel(x, bits) @ dense.double().t()
+    torch.testing.assert_close(y.double(), exact, rtol=1e-5, atol=1e-6 * k ** 0.5 * dense.abs().max().item())
+
+
+def test_cpu_isa_is_validated_and_reaches_the_config():
+    """--cpu-isa takes auto, avx512, avx2 or portable, on the CPU only; a path the CPU lacks is
+    refused naming cpu_isa (what an AVX2-only CPU answers for avx512, and for the integer path's
+    avx512, which needs VNNI); a path at or below the CPU's best is taken."""
+    from batchserve.cli import build_parser, engine_config
+    from batchserve.runner.models.llama import ISA_CODES, cpu_isa_in_use, pick_cpu_isa
+
+    with pytest.raises(ConfigError, match="cpu_isa"):
+        ModelConfig(cpu_isa="sse4")
+    with pytest.raises(ConfigError, match="cpu_isa: .*device cpu"):
+        ModelConfig(cpu_isa="avx2", device="cuda")
+    assert ModelConfig(device="cuda").cpu_isa == "auto"
+    for isa in ("auto", "avx512", "avx2", "portable"):
+        assert engine_config(build_parser().parse_args(["serve", "--cpu-isa", isa])).model.cpu_isa == isa
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--cpu-isa", "sse4"])
+    with pytest.raises(ConfigError, match="cpu_isa: this CPU has no avx512 path .* best it has: avx2"):
+        pick_cpu_isa("avx512", "avx2")
+    with pytest.raises(ConfigError, match="cpu_isa: .*AVX512-VNNI"):
+        pick_cpu_isa("avx512", "avx2", integer=True)
+    with pytest.raises(ConfigError, match="cpu_isa: this CPU has no avx2"):
+        pick_cpu_isa("avx2", "portable")
+    assert [pick_cpu_isa(i, "avx512") for i in ("auto", "avx512", "avx2", "portable")] == [
+        "avx512", "avx512", "avx2", "portable"]
+    assert pick_cpu_isa("auto", "avx2") == "avx2"
+    with pytest.raises(ConfigError, match="cpu_isa: must be"):
+        cpu_isa_in_use("sse4")
+    # this CPU: each path up to its best is taken, one beyond it is refused by the model
+    from batchserve.runner.loader import load_model
+    from batchserve.runner.profiler import TINY_MODEL
+
+    loaded = load_model(ModelConfig(model="dummy", dummy_config=TINY_MODEL))
+    best = gemm_ext().isa()
+    for isa in ("avx512", "avx2", "portable"):
+        if ISA_CODES[isa] > ISA_CODES[best]:
+            with pytest.raises(ConfigError, match="cpu_isa"):
+                LlamaModel(loaded.config, loaded.weights, "cpp", cpu_isa=isa)
+        else:
+            assert cpu_isa_in_use(isa) == isa
+            assert LlamaModel(loaded.config, loaded.weights, "cpp", cpu_isa=isa).lm_head.isa == ISA_CODES[isa]
+
+
+@pytest.mark.model
+@needs_avx2
+def test_smollm2_on_the_avx2_path_gives_the_portable_paths_logits():
+    """cpu_isa forces the whole model onto one code path of the C++ products. With int8 products
+    (all 121 matrices) the AVX2 and the portable runs give the same logits bit for bit, so the
+    same greedy tokens; with float32 products from the blocks (linear_backend cpp) the same greedy
+    tokens, the logits within float32 summation rounding."""
+    from batchserve.engine.engine import tokenize
+    from batchserve.llm import LLM
+    from benchmarks.variants import QUESTIONS, forced_logits
+
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    for mm, backend in (("int8", "auto"), ("float32", "cpp")):
+        llms = {isa: LLM(matmul_dtype=mm, linear_backend=backend, cpu_isa=isa, kv_cache_gb=0.05,
+                         kv_cache_dtype="float32") for isa in ("avx2", "portable")}
+        for isa, llm in llms.items():
+            model = llm.engine.executor.model
+            assert model.cpu_isa == isa and model.linear_backend == "cpp"
+            assert model.int_matrices == (4 * model.cfg.num_layers + 1 if mm == "int8" else 0)
+            assert {model.layers[0]["wqkv"].isa, model.layers[-1]["w_down"].isa, model.lm_head.isa} == {ISAS[isa]}
+        tok = llms["portable"].tokenizer
+        prompts = [tokenize(tok, messages=[{"role": "user", "content": c}]) for c in QUESTIONS[:3]]
+        answers = {isa: [o.token_ids for o in llm.generate(prompts, greedy)] for isa, llm in llms.items()}
+        assert answers["avx2"] == answers["portable"], mm
+        logits = {isa: torch.cat(forced_logits(llm.engine.executor, prompts, answers["portable"]))
+                  for isa, llm in llms.items()}
+        if mm == "int8":
+            assert torch.equal(logits["avx2"], logits["portable"])
+        else:
+            ref = logits["portable"]
+            assert ((logits["avx2"] - ref).abs().amax(-1) / ref.abs().amax(-1)).max() < 1e-4

@@ -164,3 +164,49 @@ def test_panel_gemm_releases_the_gil():
     worker.join()
     assert took[0] > 0.1, "the product was too short to tell"
     assert gap < took[0] / 3, f"this thread stalled {gap:.3f} s of a {took[0]:.3f} s kernel call: GIL held"
+
+
+@pytest.mark.skipif("gemm_ext() is None", reason="no C++ toolchain")
+def test_cpu_isa_reaches_every_cpp_product_and_auto_judges_as_that_cpu_would():
+    """A Linear's `isa` is the code path its C++ product runs (an unknown one is refused by the
+    kernel, so the code travels to it); a model built with cpu_isa puts it on every matrix and
+    gives the float64 logits on each path; with avx2 or portable, linear_backend auto picks as a
+    CPU without AVX-512 does (oneDNN), and bf16 products leave the AVX512-BF16 path."""
+    from batchserve.runner.models.llama import ISA_CODES, cpp_bf16_ok
+
+    from test_quantized_weights import _blocks
+
+    ext = gemm_ext()
+    w, x = torch.randn(40, 64), torch.randn(3, 64)
+    with pytest.raises(RuntimeError, match="code path 3"):
+        Linear(w, "cpp", isa=3)(x)
+    raw, dense = _blocks(40, 64, "Q4_1")
+    for bits in (0, 8):
+        with pytest.raises(RuntimeError, match="code path 3"):
+            Linear.from_blocks(raw, 0, act_bits=bits, isa=3)(x)
+    order = ["portable", "avx2", "avx512"]
+    paths = order[: order.index(ext.isa()) + 1]
+    loaded = load_model(ModelConfig(model="dummy", dummy_config=TINY_MODEL))
+    ref = LlamaModel(loaded.config, loaded.weights, "torch")
+    h = torch.randn(5, loaded.config.hidden_size)
+    fp32 = loaded.weights["model.norm.weight"]
+    for isa in paths:
+        code = ISA_CODES[isa]
+        lin = Linear(w, "cpp", isa=code)
+        assert lin.isa == code and torch.equal(lin(x), ext.gemm(x, ext.pack(w), 40, code))
+        torch.testing.assert_close(lin(x), x @ w.t(), rtol=1e-5, atol=1e-4)
+        q = Linear.from_blocks(raw, 0, isa=code)
+        assert torch.equal(q(x), ext.gemm_q(x, q.w, 40, 0, code))
+        torch.testing.assert_close(q(x), x @ dense.t(), rtol=1e-5, atol=1e-4)
+        m = LlamaModel(loaded.config, loaded.weights, "cpp", cpu_isa=isa)
+        assert m.cpu_isa == isa and {m.layers[0]["wqkv"].isa, m.layers[-1]["w_down"].isa, m.lm_head.isa} == {code}
+        torch.testing.assert_close(m.logits(h), ref.logits(h), rtol=1e-4, atol=1e-4)
+        auto = LlamaModel(loaded.config, loaded.weights, "auto", cpu_isa=isa)
+        assert auto.linear_backend == best_linear_backend(fp32, isa)
+        if isa != "avx512":
+            assert best_linear_backend(fp32, isa) == ("onednn" if onednn_linear_ok(fp32) else "torch")
+            assert not cpp_bf16_ok(isa)
+            if onednn_linear_ok(fp32):
+                bf = LlamaModel(loaded.config, loaded.weights, "cpp", matmul_dtype=torch.bfloat16, cpu_isa=isa)
+                assert bf.layers[0]["wqkv"].backend == "onednn"
+    assert best_linear_backend(fp32, "auto") == best_linear_backend(fp32)

@@ -15,7 +15,7 @@ from batchserve.core.batch import ScheduledBatch, ScheduledSeq, StepOutput
 from batchserve.runner.attention import AttnMeta, gather_rows, scatter_rows, slot_rows, to_cache_dtype
 from batchserve.runner.kernels import build_all, fused_ops_ext, paged_attention_ext
 from batchserve.runner.loader import LoadedModel
-from batchserve.runner.models.llama import LlamaModel, has_int_blocks
+from batchserve.runner.models.llama import LlamaModel, cpu_isa_in_use, has_int_blocks
 from batchserve.runner.sampler import log_probs, sample, token_logprobs
 
 log = logging.getLogger(__name__)
@@ -90,15 +90,22 @@ def _int8_kv_dtype(model_cfg: ModelConfig, cache_cfg: CacheConfig) -> torch.dtyp
     return torch.uint8
 
 
+# The integer paths (LlamaModel's cpu_isa_in_use(..., integer=True)) on which int8 products beat
+# the float32 ones at the model's shapes, so that matmul_dtype auto takes them (BENCHMARKS.md).
+FAST_INT8_ISAS = frozenset({"avx512", "avx2"})
+
+
 def resolve_matmul_dtype(model_cfg: ModelConfig, loaded: LoadedModel) -> torch.dtype | None:
     """The matrix products' dtype (None: the weights' own). `auto` means int8 dot products on a
-    GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 blocks where that runs fast (float32 model on a CPU with
-    AVX512-VNNI, the C++ GEMM, blocks kept): the activations are quantized per 32 values as
-    llama.cpp does, and one VNNI instruction does four times the multiply-adds of a float32 FMA.
-    It is the default because it is the fastest setting whose perplexity stays within 0.5 % of
-    the dequantized float32 model's, as int16 does too (BENCHMARKS.md, "Output quality"; greedy
-    continuations do differ where the model's top two tokens nearly tie). Everywhere else, and
-    with `float32` asked for, the float32 products."""
+    GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 blocks where that runs fast (float32 model on the CPU, the
+    C++ GEMM, blocks kept, and an integer path in FAST_INT8_ISAS: AVX512-VNNI, where one
+    instruction does four times the multiply-adds of a float32 FMA, or AVX2, whose byte products
+    still beat its float32 ones; `cpu_isa` chooses the path as for the products themselves): the
+    activations are quantized per 32 values as llama.cpp does. It is the default because it is the
+    fastest setting whose perplexity stays within 0.5 % of the dequantized float32 model's, as
+    int16 does too (BENCHMARKS.md, "Output quality"; greedy continuations do differ where the
+    model's top two tokens nearly tie). Everywhere else (the portable path included), and with
+    `float32` asked for, the float32 products."""
     if model_cfg.matmul_dtype != "auto":
         return None if model_cfg.matmul_dtype == model_cfg.dtype else getattr(torch, model_cfg.matmul_dtype)
     if (model_cfg.dtype != "float32" or model_cfg.device != "cpu" or model_cfg.quantized_weights != "auto"
@@ -107,8 +114,11 @@ def resolve_matmul_dtype(model_cfg: ModelConfig, loaded: LoadedModel) -> torch.d
         return None
     from batchserve.runner.kernels import gemm_ext
 
-    ext = gemm_ext()
-    return torch.int8 if ext is not None and ext.has_vnni() else None
+    if gemm_ext() is None:
+        return None
+    if model_cfg.cpu_isa == "avx512" and not gemm_ext().has_vnni():
+        return None  # AVX-512 float products asked for, and this CPU has no AVX-512 integer path
+    return torch.int8 if cpu_isa_in_use(model_cfg.cpu_isa, integer=True) in FAST_INT8_ISAS else None
 
 
 class ModelRunner:
@@ -137,7 +147,8 @@ class ModelRunner:
                              f"model's sliding-window layers (window {self.cfg.sliding_window})")
         mm = resolve_matmul_dtype(model_cfg, loaded)
         blocks = loaded.quantized if model_cfg.quantized_weights == "auto" else None
-        self.model = LlamaModel(loaded.config, loaded.weights, model_cfg.linear_backend, mm, fused, blocks)
+        self.model = LlamaModel(loaded.config, loaded.weights, model_cfg.linear_backend, mm, fused, blocks,
+                                cpu_isa=model_cfg.cpu_isa)
         if self.model.quantized_matrices:
             log.info("weights: %d matrices multiplied from their GGUF blocks (C++ GEMM)%s",
                      self.model.quantized_matrices,

@@ -615,7 +615,10 @@ namespace {
 // (Q4_1/Q4_0/Q4_K: 0..15; Q8_0: q+128 with m = -128 d), so a block contributes
 //     sum_k x[k] w[k] ~ (d * da) * sum_k u[k] a[k]  +  m * sa,
 // the integer sum exact in int32. AVX512-VNNI does it: int8 with vpdpbusd (64 byte products per
-// instruction, four times an fp32 FMA's), int16 with vpdpwssd (32 word products, twice). Only x's
+// instruction, four times an fp32 FMA's), int16 with vpdpwssd (32 word products, twice). AVX2
+// (no VNNI: AMD Zen 2/3, Intel before Ice Lake) does it with vpmaddubsw / vpmaddwd (tile_int256),
+// and portable C++ without either. All three give the same bits: the integer sums are exact and
+// each block is folded into the float sums in the same order with the same roundings. Only x's
 // rounding differs from the float32 path: int8 is llama.cpp's CPU scheme (its Q8_1
 // activations); int16 rounds 256 times finer, close to float32's output.
 //
@@ -648,6 +651,15 @@ bool cpu_has_vnni() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vnni");
 }
+
+// The AVX2 integer tiles also fold their sums with FMA (as AVX2 CPUs all have).
+bool cpu_has_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+// The fastest integer path this CPU has: kAvx512 (VNNI), kAvx2 or kPortable.
+Isa best_int_isa() { return cpu_has_vnni() ? kAvx512 : cpu_has_avx2() ? kAvx2 : kPortable; }
 
 // Where quant (k e of the block, column j) lives in a panel block's quant bytes, and its shift.
 inline void int_pos(IFmt f, int bits, int e, int j, int64_t& byte, int& shift) {
@@ -725,6 +737,47 @@ __attribute__((target("avx512f,avx512bw"))) void quantize_row_block512(const flo
   if (ok) sa = da * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
 }
 
+// The same quantization with AVX2: the same max, product and round-to-nearest-even conversion as
+// the two above, so the same quants and scales.
+template <int BITS>
+__attribute__((target("avx2,fma"))) void quantize_row_block256(const float* v, act_t<BITS>* q, float& da,
+                                                                float& sa) {
+  __m256 x[4];
+  __m256 unord = _mm256_setzero_ps(), mx = _mm256_setzero_ps();
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  for (int i = 0; i < 4; ++i) {
+    x[i] = _mm256_loadu_ps(v + 8 * i);
+    unord = _mm256_or_ps(unord, _mm256_cmp_ps(x[i], x[i], _CMP_UNORD_Q));
+    mx = _mm256_max_ps(mx, _mm256_and_ps(x[i], abs_mask));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+  const float amax = _mm256_movemask_ps(unord) ? std::numeric_limits<float>::quiet_NaN() : _mm_cvtss_f32(m4);
+  float f;
+  const bool ok = block_scale<BITS>(amax, f, da, sa);
+  const __m256 inv = _mm256_set1_ps(f);
+  __m256i qi[4];
+  for (int i = 0; i < 4; ++i) qi[i] = ok ? _mm256_cvtps_epi32(_mm256_mul_ps(x[i], inv)) : _mm256_setzero_si256();
+  // |quant| <= act_max, so the saturating packs keep every value; they interleave the 128-bit
+  // lanes, which the permutes put back in order.
+  const __m256i p01 = _mm256_packs_epi32(qi[0], qi[1]), p23 = _mm256_packs_epi32(qi[2], qi[3]);
+  if constexpr (BITS == 8) {
+    const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), b);
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permute4x64_epi64(p01, 0xD8));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16), _mm256_permute4x64_epi64(p23, 0xD8));
+  }
+  if (ok) {
+    const __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    sa = da * static_cast<float>(_mm_cvtsi128_si32(s4));
+  }
+}
+
 // x's rows quantized per block of 32 k. The portable tiles read them row by row. The vector tiles
 // read each row group (a tile's rows m0 .. m0+mr-1, grp0 / grpn giving every row's m0 and mr)
 // interleaved: the group's quants start at xq + m0 * K, where 32-bit word (kb * STEPS + s) * mr + j
@@ -734,7 +787,7 @@ __attribute__((target("avx512f,avx512bw"))) void quantize_row_block512(const flo
 // pointer per row and step on the stack and reloaded it for every broadcast (2-7 % slower).
 // `gated`: x's rows are [gate | up], 2K wide, and the rows quantized are silu(gate) * up.
 template <int BITS>
-void quantize_rows(const float* x, int64_t M, int64_t K, bool gated, bool vec, const int64_t* grp0,
+void quantize_rows(const float* x, int64_t M, int64_t K, bool gated, Isa isa, const int64_t* grp0,
                    const int64_t* grpn, act_t<BITS>* xq, float* da, float* sa) {
   const int64_t KB = K / QB, stride = gated ? 2 * K : K;
   constexpr int64_t STEPS = act_steps<BITS>();
@@ -748,13 +801,16 @@ void quantize_rows(const float* x, int64_t M, int64_t K, bool gated, bool vec, c
         for (int e = 0; e < QB; ++e) gv[e] = batchserve::silu_mul1(src[e], src[e + K]);
         src = gv;
       }
-      if (!vec) {
+      if (isa == kPortable) {
         quantize_row_block<BITS>(src, xq + r * K + kb * QB, da[i], sa[i]);
         continue;
       }
       const int64_t m0 = grp0[r], mr = grpn[r], j = r - m0;
       float d, s;
-      quantize_row_block512<BITS>(src, qb, d, s);
+      if (isa == kAvx512)
+        quantize_row_block512<BITS>(src, qb, d, s);
+      else
+        quantize_row_block256<BITS>(src, qb, d, s);
       da[m0 * KB + kb * mr + j] = d;
       sa[m0 * KB + kb * mr + j] = s;
       int32_t* dst = reinterpret_cast<int32_t*>(xq + m0 * K) + kb * STEPS * mr + j;
@@ -874,6 +930,98 @@ void tile_int_portable(const act_t<BITS>* xq, int64_t K, const float* da, const 
   for (int r = 0; r < MR; ++r) std::copy(acc[r], acc[r] + ncols, c + r * ldc);
 }
 
+// ---- the integer tile on AVX2 ------------------------------------------------------------------
+// A 256-bit vector holds a quarter of the panel (8 columns), so the tile walks each block's four
+// quarters in turn, and its float sums live in `acc` (L1) between blocks; the quants and x's
+// words are the ones tile_int reads, a quarter's 32 (int8) or 16 (int16) bytes at a time.
+//
+// int8: vpmaddubsw multiplies unsigned weight bytes by signed activation bytes and adds each pair
+// into an int16 lane, saturating; vpmaddwd by ones then adds the lane pairs into int32. Neither
+// saturation nor int16 wrap-around can happen, as every int16 value stays within +-30,480:
+//   - activations: |a| <= 127 (quantize_row_block: |x * (127 / amax)| <= 127 up to a rounding
+//     far below 0.5, and NaN / infinite blocks give zero quants);
+//   - weights enter as 4-bit values w in 0..15: Q4_1 / Q4_0 / Q4_K quants are such nibbles, and a
+//     Q8_0 byte u = q + 128 (0..255) is taken as its two nibbles, u = 16 * hi + lo, each summed on
+//     its own (a whole byte would not do: 2 * 255 * 127 = 64,770 > 32,767);
+//   - one vpmaddubsw lane is w0 a0 + w1 a1, |.| <= 2 * 15 * 127 = 3,810, and a block's 8 groups
+//     of 4 k are summed per lane with plain int16 adds, |.| <= 8 * 3,810 = 30,480 <= 32,767.
+// vpmaddwd by 1 (lo) and by 16 (hi) then gives the exact int32 sum of u * a over the block.
+// int16: weights widened to words 0..255 (vpmovzxbw), vpmaddwd with the activation words
+// (|a| <= 32,767, never -32,768, so vpmaddwd's one overflow case cannot occur); a block's sum is
+// at most 32 * 255 * 32,767 < 2^31 in int32.
+// The fold of each block's sums is tile_int's and tile_int_portable's (d * da, then two FMAs),
+// so the output is theirs bit for bit.
+// Rows per AVX2 tile: each row holds one vector of sums (two for Q8_0 int8: the low and the high
+// nibbles') in the 16 registers beside the weights, the broadcast and the product.
+constexpr int64_t mri256(IFmt f, int bits) { return bits == 8 && f == kIQ8 ? 4 : 6; }
+
+template <int MR, int F, int BITS>
+__attribute__((target("avx2,fma"))) void tile_int256(const act_t<BITS>* __restrict xq, int64_t K,
+                                                      const float* __restrict da, const float* __restrict sa,
+                                                      const uint8_t* __restrict wq, float* __restrict c,
+                                                      int64_t ldc, int ncols) {
+  constexpr int64_t BYTES = int_block_bytes(F);
+  constexpr int STEPS = act_steps<BITS>();  // k-groups of 4 (int8) or pairs (int16)
+  const int64_t KB = K / QB;
+  alignas(32) float acc[MR][NB] = {};
+  const __m256i low4 = BITS == 8 ? _mm256_set1_epi8(0x0F) : _mm256_set1_epi16(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1), sixteens = _mm256_set1_epi16(16);
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    const uint8_t* blk = wq + kb * BYTES;
+    const uint8_t* q = blk + int_offset(F);
+    const char* ahead = reinterpret_cast<const char*>(blk + PFQ * BYTES);
+#pragma GCC unroll 4
+    for (int64_t i = 0; i < BYTES; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
+    const int32_t* xk = reinterpret_cast<const int32_t*>(xq) + kb * STEPS * MR;  // word (step, row)
+    const float* sc = reinterpret_cast<const float*>(blk);
+#pragma GCC unroll 4
+    for (int qt = 0; qt < 4; ++qt) {  // columns 8 qt .. 8 qt + 7
+      __m256i s[MR], h[MR];  // int8: int16 sums of the low (s) and high (h, Q8_0) nibbles; int16: int32 sums
+#pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r) s[r] = h[r] = _mm256_setzero_si256();
+#pragma GCC unroll 16
+      for (int g = 0; g < STEPS; ++g) {
+        if constexpr (BITS == 8) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (F == kIQ4 ? g / 2 : g) * 128 + qt * 32));
+          const __m256i lo = (F == kIQ4 && g % 2) ? _mm256_and_si256(_mm256_srli_epi16(v, 4), low4)
+                                                  : _mm256_and_si256(v, low4);
+          const __m256i hi = F == kIQ8 ? _mm256_and_si256(_mm256_srli_epi16(v, 4), low4) : lo;
+#pragma GCC unroll 16
+          for (int r = 0; r < MR; ++r) {
+            const __m256i av = _mm256_set1_epi32(xk[g * MR + r]);  // 4 int8 quants of x
+            s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(lo, av));
+            if (F == kIQ8) h[r] = _mm256_add_epi16(h[r], _mm256_maddubs_epi16(hi, av));
+          }
+        } else {
+          const __m256i v = _mm256_cvtepu8_epi16(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (F == kIQ4 ? g / 2 : g) * 64 + qt * 16)));
+          const __m256i w = F == kIQ4 ? (g % 2 ? _mm256_srli_epi16(v, 4) : _mm256_and_si256(v, low4)) : v;
+#pragma GCC unroll 16
+          for (int r = 0; r < MR; ++r)
+            s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(w, _mm256_set1_epi32(xk[g * MR + r])));
+        }
+      }
+      const __m256 d = _mm256_loadu_ps(sc + qt * 8);
+      const __m256 m = F == kIQ4 ? _mm256_loadu_ps(sc + NB + qt * 8) : d;
+#pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r) {
+        __m256i s32 = s[r];
+        if constexpr (BITS == 8) {
+          s32 = _mm256_madd_epi16(s[r], ones);
+          if (F == kIQ8) s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(h[r], sixteens));
+        }
+        const __m256 dr = _mm256_set1_ps(da[kb * MR + r]);
+        const __m256 sr = _mm256_set1_ps(F == kIQ4 ? sa[kb * MR + r] : -128.f * sa[kb * MR + r]);
+        __m256 a = _mm256_load_ps(acc[r] + qt * 8);
+        a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(d, dr), a);
+        a = _mm256_fmadd_ps(m, sr, a);
+        _mm256_store_ps(acc[r] + qt * 8, a);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) std::copy(acc[r], acc[r] + ncols, c + r * ldc);
+}
+
 template <int BITS>
 using TileIntFn = void (*)(const act_t<BITS>*, int64_t, const float*, const float*, const uint8_t*, float*, int64_t,
                            int);
@@ -888,6 +1036,10 @@ BATCHSERVE_INT_TILE(tile_i8_q4, tile_int, kIQ4, 8);
 BATCHSERVE_INT_TILE(tile_i8_q8, tile_int, kIQ8, 8);
 BATCHSERVE_INT_TILE(tile_i16_q4, tile_int, kIQ4, 16);
 BATCHSERVE_INT_TILE(tile_i16_q8, tile_int, kIQ8, 16);
+BATCHSERVE_INT_TILE(tile_i8a_q4, tile_int256, kIQ4, 8);
+BATCHSERVE_INT_TILE(tile_i8a_q8, tile_int256, kIQ8, 8);
+BATCHSERVE_INT_TILE(tile_i16a_q4, tile_int256, kIQ4, 16);
+BATCHSERVE_INT_TILE(tile_i16a_q8, tile_int256, kIQ8, 16);
 BATCHSERVE_INT_TILE(tile_i8p_q4, tile_int_portable, kIQ4, 8);
 BATCHSERVE_INT_TILE(tile_i8p_q8, tile_int_portable, kIQ8, 8);
 BATCHSERVE_INT_TILE(tile_i16p_q4, tile_int_portable, kIQ4, 16);
@@ -904,15 +1056,19 @@ void check_int(const torch::Tensor& wq, int64_t n, IFmt f, int64_t bits, const c
 }
 
 template <int BITS>
-void run_int(const torch::Tensor& x, bool gated, const uint8_t* w, int64_t n, IFmt f, bool vec, float* c,
+void run_int(const torch::Tensor& x, bool gated, const uint8_t* w, int64_t n, IFmt f, Isa isa, float* c,
              int64_t NP, int64_t KB) {
   const int64_t M = x.size(0), K = KB * QB, bytes = int_block_bytes(f);
+  const bool q4 = f == kIQ4;
   const TileIntFn<BITS>* table;
   if constexpr (BITS == 8)
-    table = vec ? (f == kIQ4 ? tile_i8_q4_table : tile_i8_q8_table) : (f == kIQ4 ? tile_i8p_q4_table : tile_i8p_q8_table);
+    table = isa == kAvx512 ? (q4 ? tile_i8_q4_table : tile_i8_q8_table)
+            : isa == kAvx2 ? (q4 ? tile_i8a_q4_table : tile_i8a_q8_table)
+                           : (q4 ? tile_i8p_q4_table : tile_i8p_q8_table);
   else
-    table = vec ? (f == kIQ4 ? tile_i16_q4_table : tile_i16_q8_table)
-                : (f == kIQ4 ? tile_i16p_q4_table : tile_i16p_q8_table);
+    table = isa == kAvx512 ? (q4 ? tile_i16_q4_table : tile_i16_q8_table)
+            : isa == kAvx2 ? (q4 ? tile_i16a_q4_table : tile_i16a_q8_table)
+                           : (q4 ? tile_i16p_q4_table : tile_i16p_q8_table);
   // x's quants and block scales, kept by the calling thread between calls (no allocation per product)
   thread_local std::vector<act_t<BITS>> xq;
   thread_local std::vector<float> da, sa;
@@ -920,14 +1076,16 @@ void run_int(const torch::Tensor& x, bool gated, const uint8_t* w, int64_t n, IF
   // plain pointers for the worker threads (inside them the thread_local names are their own copies)
   act_t<BITS>* xqp = xq.data();
   float *dap = da.data(), *sap = sa.data();
-  const int64_t mr_max = !vec ? 4 : M <= mri_small_upto<BITS>() ? MRI_SMALL : MRI;
+  const int64_t mr_max = isa == kPortable ? 4
+                         : isa == kAvx2    ? mri256(f, BITS)
+                         : M <= mri_small_upto<BITS>() ? MRI_SMALL : MRI;
   thread_local std::vector<int64_t> g0, gn;  // each row's group (first row, rows), as the tiles take them
   g0.resize(M), gn.resize(M);
   for (int64_t m_lo = 0; m_lo < M; m_lo += MCHUNK)
     for_row_blocks(m_lo, std::min(MCHUNK, M - m_lo), mr_max, [&](int64_t m0, int64_t mr) {
       for (int64_t r = m0; r < m0 + mr; ++r) g0[r] = m0, gn[r] = mr;
     });
-  quantize_rows<BITS>(x.data_ptr<float>(), M, K, gated, vec, g0.data(), gn.data(), xqp, dap, sap);
+  quantize_rows<BITS>(x.data_ptr<float>(), M, K, gated, isa, g0.data(), gn.data(), xqp, dap, sap);
   for_panels(M, NP, MCHUNK, [&](int64_t p, int64_t m_lo, int64_t rows) {
     const int ncols = static_cast<int>(std::min<int64_t>(NB, n - p * NB));
     for_row_blocks(m_lo, rows, mr_max, [&](int64_t m0, int64_t mr) {
@@ -939,9 +1097,18 @@ void run_int(const torch::Tensor& x, bool gated, const uint8_t* w, int64_t n, IF
 
 }  // namespace
 
-// Whether this CPU has the integer dot-product path (AVX512-VNNI); without it gemm_int runs its
-// portable code, correct and slow.
+// Whether this CPU has the AVX512-VNNI integer dot-product path (gemm_int's fastest).
 bool has_vnni() { return cpu_has_vnni(); }
+
+// The integer path gemm_int runs here by default: "avx512" (VNNI), "avx2" or "portable" (plain
+// C++, correct and slow). A CPU with AVX-512 but no VNNI gets "avx2" here and "avx512" from isa().
+std::string int_isa() {
+  switch (best_int_isa()) {
+    case kAvx512: return "avx512";
+    case kAvx2: return "avx2";
+    default: return "portable";
+  }
+}
 
 // GGUF blocks -> integer dot-product panels for activations of `bits` (8 or 16). src: 0 Q4_1,
 // 1 Q8_0, 2 Q4_0, 3 Q4_K (Q6_K has a scale per 16 k and is not taken). Q8_0 gives fmt 1, the
@@ -993,7 +1160,8 @@ torch::Tensor unpack_int(torch::Tensor wq, int64_t n, int64_t fmt, int64_t bits)
 }
 
 // x [M, K] float32 times the integer panels' W^T -> float32 [M, n], x quantized to `bits`-bit
-// integers per block of 32 k first. `isa_override`: -1 best, 0 portable, 2 AVX-512 VNNI.
+// integers per block of 32 k first. `isa_override`: -1 the best this CPU has (int_isa), 0
+// portable, 1 AVX2, 2 AVX-512 VNNI; all give the same bits.
 // `gated`: x is [M, 2K], a gate and an up projection side by side (the MLP's fused gate/up
 // product), and the product is silu(gate) * up times W^T, the SiLU taken as the activations are
 // quantized: the same bits as silu_mul followed by this product, without writing its [M, K]
@@ -1009,13 +1177,15 @@ torch::Tensor gemm_int(torch::Tensor x, torch::Tensor wq, int64_t n, int64_t fmt
     TORCH_CHECK(x.size(1) == 2 * KB * QB, "gemm_int: gated x has ", x.size(1), " columns (gate and up) but the ",
                 "packed weight has K=", KB * QB, ", so it needs ", 2 * KB * QB);
   TORCH_CHECK(KB * QB == K, "gemm_int: x has K=", K, " but the packed weight has K=", KB * QB);
-  static const bool vnni = cpu_has_vnni();
-  TORCH_CHECK(isa_override == -1 || isa_override == kPortable || (isa_override == kAvx512 && vnni),
+  static const bool vnni = cpu_has_vnni(), avx2 = cpu_has_avx2();
+  TORCH_CHECK(isa_override == -1 || isa_override == kPortable || (isa_override == kAvx2 && avx2) ||
+                  (isa_override == kAvx512 && vnni),
               "gemm_int: code path ", isa_override, " is not supported by this CPU");
-  const bool vec = isa_override == -1 ? vnni : isa_override == kAvx512;
+  static const Isa best = best_int_isa();
+  const Isa use = isa_override == -1 ? best : static_cast<Isa>(isa_override);
   auto y = torch::empty({M, n}, x.options());
   if (M == 0 || n == 0) return y;
-  (bits == 8 ? run_int<8> : run_int<16>)(x, gated, wq.data_ptr<uint8_t>(), n, f, vec, y.data_ptr<float>(), NP, KB);
+  (bits == 8 ? run_int<8> : run_int<16>)(x, gated, wq.data_ptr<uint8_t>(), n, f, use, y.data_ptr<float>(), NP, KB);
   return y;
 }
 
@@ -1158,6 +1328,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_q", &pack_q, "GGUF blocks (0 Q4_1, 1 Q8_0, 2 Q4_0, 3 Q4_K, 4 Q6_K) [N, row bytes] -> panels", nogil);
   m.def("unpack_q", &unpack_q, "block-quantized panels -> float32 [n, K]", nogil);
   m.def("has_vnni", &has_vnni, "whether this CPU has the integer dot-product path (AVX512-VNNI)");
+  m.def("int_isa", &int_isa, "the integer path gemm_int runs here by default: avx512 (VNNI), avx2 or portable");
   m.def("pack_int", &pack_int, "GGUF blocks (0 Q4_1, 1 Q8_0, 2 Q4_0, 3 Q4_K) [N, row bytes] -> integer panels "
         "for 8- or 16-bit activations", nogil, py::arg("raw"), py::arg("src"), py::arg("bits") = 8);
   m.def("unpack_int", &unpack_int, "integer panels -> float32 [n, K]", nogil, py::arg("wq"), py::arg("n"),

@@ -86,25 +86,61 @@ def cpp_linear_ok(weight: torch.Tensor) -> bool:
     return gemm_ext() is not None
 
 
-def cpp_bf16_ok() -> bool:
+def cpp_bf16_ok(cpu_isa: str = "auto") -> bool:
     """Whether the C++ GEMM's bf16 path runs here (AVX512-BF16): bf16 panels, fp32 sums and
-    results, for the bf16 matrix-product mode over fp32 activations."""
+    results, for the bf16 matrix-product mode over fp32 activations. It has no other code path,
+    so a `cpu_isa` other than auto or avx512 rules it out."""
     from batchserve.runner.kernels import gemm_ext
 
     ext = gemm_ext()
-    return ext is not None and bool(ext.has_bf16())
+    return ext is not None and cpu_isa in ("auto", "avx512") and bool(ext.has_bf16())
 
 
-def best_linear_backend(weight: torch.Tensor) -> str:
-    """What `auto` picks for `weight`: the C++ panel GEMM where it has its AVX-512 path (measured
+# ModelConfig.cpu_isa -> the C++ GEMM's isa_override (-1: the best this CPU has), slowest first
+ISA_CODES = {"auto": -1, "portable": 0, "avx2": 1, "avx512": 2}
+
+
+def cpu_isa_in_use(cpu_isa: str = "auto", integer: bool = False) -> str:
+    """The code path the C++ matrix products take for the `cpu_isa` setting: avx512, avx2 or
+    portable; `integer`: the integer products' (gemm_int), whose avx512 path needs AVX512-VNNI
+    besides AVX-512 (a CPU with AVX-512 but no VNNI runs them on AVX2). "portable" where the
+    module did not build. Raises ConfigError naming cpu_isa when this CPU cannot run the one asked."""
+    from batchserve.config import ConfigError
+    from batchserve.runner.kernels import gemm_ext
+
+    if cpu_isa not in ISA_CODES:
+        raise ConfigError(f"cpu_isa: must be one of {sorted(ISA_CODES)}, got {cpu_isa!r}")
+    ext = gemm_ext()
+    if ext is None:
+        if cpu_isa != "auto":
+            raise ConfigError(f"cpu_isa: {cpu_isa} forces a code path of the C++ GEMM, which did not build here")
+        return "portable"
+    return pick_cpu_isa(cpu_isa, str(ext.int_isa() if integer else ext.isa()), integer)
+
+
+def pick_cpu_isa(cpu_isa: str, best: str, integer: bool = False) -> str:
+    """The path `cpu_isa` takes on a CPU whose best is `best` (the C++ module's isa(), or its
+    int_isa() for `integer` products): `best` for auto, else `cpu_isa` itself where the CPU has it
+    (every path below its best it has too). ConfigError naming cpu_isa where it does not."""
+    from batchserve.config import ConfigError
+
+    if cpu_isa == "auto":
+        return best
+    if ISA_CODES[cpu_isa] > ISA_CODES[best]:
+        what = "integer matrix products" if integer else "matrix products"
+        raise ConfigError(f"cpu_isa: this CPU has no {cpu_isa} path for the C++ {what} (the best it has: "
+                          f"{best}{'; avx512 there means AVX512-VNNI' if integer else ''})")
+    return cpu_isa
+
+
+def best_linear_backend(weight: torch.Tensor, cpu_isa: str = "auto") -> str:
+    """What `auto` picks for `weight`: the C++ panel GEMM where it runs its AVX-512 path (measured
     faster than oneDNN at decode's few rows, on par for prefill; see BENCHMARKS.md, "Matrix-product
-    variants at the model's shapes"),
-    else oneDNN on packed weights where that runs, else F.linear."""
-    if cpp_linear_ok(weight):
-        from batchserve.runner.kernels import gemm_ext
-
-        if gemm_ext().isa() == "avx512":
-            return "cpp"
+    variants at the model's shapes"), else oneDNN on packed weights where that runs, else
+    F.linear. `cpu_isa` (avx2, portable) makes the choice an AVX2-only or a plain CPU would make,
+    so a forced path is judged as that CPU would judge it."""
+    if cpp_linear_ok(weight) and cpu_isa_in_use(cpu_isa) == "avx512":
+        return "cpp"
     return "onednn" if onednn_linear_ok(weight) else "torch"
 
 
@@ -126,24 +162,24 @@ class Linear:
     Q4_K regrouped into the Q4_1 ones, Q6_K into int8 panels with a scale per 16 k);
     `onednn`: oneDNN on its blocked layout; `torch`: F.linear on the dense weight."""
 
-    __slots__ = ("w", "backend", "n", "k", "fmt", "act_bits", "fn", "gated_fn")
+    __slots__ = ("w", "backend", "n", "k", "fmt", "act_bits", "isa", "fn", "gated_fn")
 
     @classmethod
-    def from_blocks(cls, raw: torch.Tensor, src: int, act_bits: int = 0) -> "Linear":
+    def from_blocks(cls, raw: torch.Tensor, src: int, act_bits: int = 0, isa: int = -1) -> "Linear":
         """From a GGUF file's blocks as stored (uint8 [N, row bytes]; `src` 0 = Q4_1, 1 = Q8_0,
         2 = Q4_0, 3 = Q4_K, 4 = Q6_K): the C++ GEMM expands them in registers, float32 math,
         products equal to the dequantized weights' bit for bit. `fmt` is the panel layout: 1 for
         Q8_0, 2 for Q6_K (int8 with a scale per 16 k), else 0 (Q4_1's).
         `act_bits` 8 or 16 (sources in INT_SOURCES): the activations are quantized to int8 / int16
-        per 32 k and multiplied into the integer quants (AVX512-VNNI dot products; fmt 1 for Q8_0,
-        else 0); 0: float32 activations."""
+        per 32 k and multiplied into the integer quants (AVX512-VNNI or AVX2 dot products; fmt 1 for
+        Q8_0, else 0); 0: float32 activations. `isa`: the C++ code path (ISA_CODES), -1 the best."""
         from batchserve.runner.kernels import gemm_ext
 
         ext = gemm_ext()
         if ext is None:
             raise RuntimeError("quantized weights: the C++ panel GEMM did not build here")
         lin = cls.__new__(cls)
-        lin.backend, lin.n, lin.act_bits = "cpp", raw.shape[0], act_bits
+        lin.backend, lin.n, lin.act_bits, lin.isa = "cpp", raw.shape[0], act_bits, isa
         if act_bits:
             if src not in INT_SOURCES or act_bits not in (8, 16):
                 raise ValueError(f"integer matrix products take GGUF sources {sorted(INT_SOURCES)} and 8- or 16-bit "
@@ -151,22 +187,25 @@ class Linear:
             fmt = 1 if src == 1 else 0
             lin.w = w = ext.pack_int(raw, src, act_bits)
             gemm_int, n = ext.gemm_int, lin.n
-            lin.fn = lambda x: gemm_int(x, w, n, fmt, act_bits)
-            lin.gated_fn = lambda gu: gemm_int(gu, w, n, fmt, act_bits, -1, True)
+            lin.fn = lambda x: gemm_int(x, w, n, fmt, act_bits, isa)
+            lin.gated_fn = lambda gu: gemm_int(gu, w, n, fmt, act_bits, isa, True)
         else:
             fmt = {1: 1, 4: 2}.get(src, 0)
             lin.w = w = ext.pack_q(raw, src)
             gemm_q, n = ext.gemm_q, lin.n
-            lin.fn = lambda x: gemm_q(x, w, n, fmt)
+            lin.fn = lambda x: gemm_q(x, w, n, fmt, isa)
             lin.gated_fn = None
         lin.fmt = fmt
         lin.k = lin.w.shape[1] * 32
         return lin
 
-    def __init__(self, weight: torch.Tensor, backend: str = "torch") -> None:
+    def __init__(self, weight: torch.Tensor, backend: str = "torch", isa: int = -1) -> None:
+        """`isa`: the C++ GEMM's code path for float32 weights (ISA_CODES; -1 the best). bf16
+        weights have the AVX512-BF16 path only."""
         if backend not in ("torch", "onednn", "cpp"):
             raise ValueError(f"unknown linear backend {backend!r}")
         self.backend = backend
+        self.isa = isa
         self.fmt = None  # GGUF block format (from_blocks)
         self.act_bits = 0
         self.n, self.k = weight.shape
@@ -182,10 +221,15 @@ class Linear:
             ext = gemm_ext()
             if ext is None:
                 raise RuntimeError("linear backend cpp: the C++ panel GEMM did not build here")
-            bf16 = weight.dtype == torch.bfloat16
-            self.w = w = ext.pack_bf16(weight) if bf16 else ext.pack(weight)
-            gemm, n = (ext.gemm_bf16 if bf16 else ext.gemm), self.n
-            self.fn = lambda x: gemm(x, w, n)
+            n = self.n
+            if weight.dtype == torch.bfloat16:
+                self.w = w = ext.pack_bf16(weight)
+                gemm_bf16 = ext.gemm_bf16
+                self.fn = lambda x: gemm_bf16(x, w, n)
+            else:
+                self.w = w = ext.pack(weight)
+                gemm = ext.gemm
+                self.fn = lambda x: gemm(x, w, n, isa)
         else:
             if backend == "onednn":
                 self.w = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
@@ -238,7 +282,7 @@ def _mm(lin: "Linear", x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tens
 class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor], linear_backend: str = "auto",
                  matmul_dtype: torch.dtype | None = None, fused: Any = None,
-                 quantized: dict[str, tuple[int, torch.Tensor]] | None = None) -> None:
+                 quantized: dict[str, tuple[int, torch.Tensor]] | None = None, cpu_isa: str = "auto") -> None:
         """`weights` uses Hugging Face names (model.layers.N.self_attn.q_proj.weight, ...).
         `linear_backend`: auto (best_linear_backend: the C++ panel GEMM on AVX-512, else oneDNN on
         packed weights where it runs, else torch), cpp, onednn, torch.
@@ -253,7 +297,11 @@ class LlamaModel(nn.Module):
         `matmul_dtype` torch.int8 or torch.int16 (float32 weights, needs `quantized`): the matrices
         whose blocks have one scale per 32 k (Q4_0/Q4_1/Q4_K/Q8_0) multiply activations quantized
         to int8 / int16 per 32 k into their integer quants (`self.int_matrices` counts them); the
-        rest stays float32. Close to, not equal to, the float32 products (int16 much closer)."""
+        rest stays float32. Close to, not equal to, the float32 products (int16 much closer).
+        `cpu_isa` (ModelConfig.cpu_isa): the code path of every C++ matrix product, float32 and
+        integer alike: auto the best this CPU has, else avx512, avx2 or portable (ConfigError when
+        the CPU lacks it), so one machine can run and check the slower paths; `linear_backend`
+        auto then picks as a CPU whose best that path is would."""
         super().__init__()
         self.cfg = cfg
         w = weights
@@ -271,10 +319,8 @@ class LlamaModel(nn.Module):
             if linear_backend not in ("auto", "cpp") or not cpp_linear_ok(self.embed):
                 raise RuntimeError(f"{what} needs the C++ GEMM (linear_backend auto or cpp, and a C++ "
                                    "toolchain to build it)")
-            from batchserve.runner.kernels import gemm_ext
-
-            if not gemm_ext().has_vnni():
-                log.warning("%s: this CPU has no AVX512-VNNI, so the integer products run in plain C++ and are "
+            if cpu_isa_in_use(cpu_isa, integer=True) == "portable":
+                log.warning("%s: the integer products run in plain C++ here (no AVX2, or cpu_isa portable), "
                             "much slower than --matmul-dtype float32", what)
             linear_backend, mm = "cpp", torch.float32
         elif mm != self.embed.dtype and (self.embed.dtype != torch.float32 or mm != torch.bfloat16):
@@ -289,7 +335,12 @@ class LlamaModel(nn.Module):
         if linear_backend == "cpp" and not cpp_linear_ok(self.embed):
             raise RuntimeError("linear_backend=cpp: the C++ panel GEMM is not available here (needs fp32 weights on "
                                "a CPU and a C++ toolchain to build it)")
-        self.linear_backend = best_linear_backend(self.embed) if linear_backend == "auto" else linear_backend
+        if cpu_isa != "auto":
+            cpu_isa_in_use(cpu_isa)  # refused here when this CPU lacks it
+        isa = ISA_CODES[cpu_isa]
+        self.cpu_isa = cpu_isa
+        self.linear_backend = (best_linear_backend(self.embed, cpu_isa) if linear_backend == "auto"
+                               else linear_backend)
         fits = self.embed.dtype == torch.float32 and self.embed.device.type == "cpu"
         self.fused = fused if fits else None
         blocks = quantized if (quantized and self.linear_backend == "cpp" and mm == torch.float32
@@ -310,9 +361,9 @@ class LlamaModel(nn.Module):
                 bits = act_bits if src in INT_SOURCES else 0
                 self.int_matrices += bits > 0
                 parts = [blocks[k][1] for k in names]
-                return packing.submit(lambda: Linear.from_blocks(torch.cat(parts), src, act_bits=bits))
+                return packing.submit(lambda: Linear.from_blocks(torch.cat(parts), src, act_bits=bits, isa=isa))
             t = w[names[0]] if len(names) == 1 else torch.cat([w[k] for k in names])
-            return Linear(t.to(mm), layer_backend)
+            return Linear(t.to(mm), layer_backend, isa)
 
         head_name = ("model.embed_tokens.weight" if cfg.tie_word_embeddings or "lm_head.weight" not in w
                      else "lm_head.weight")
@@ -320,11 +371,11 @@ class LlamaModel(nn.Module):
         # packed bf16 layout (unless F.linear was asked for).
         layer_backend = self.linear_backend
         if mm != self.embed.dtype and self.linear_backend != "torch":
-            if self.linear_backend == "cpp" and cpp_bf16_ok():
+            if self.linear_backend == "cpp" and cpp_bf16_ok(cpu_isa):
                 layer_backend = "cpp"
             else:
                 layer_backend = "onednn" if onednn_linear_ok(self.embed) else "torch"
-        self.lm_head = lin(head_name) if head_name in blocks else Linear(w[head_name], self.linear_backend)
+        self.lm_head = lin(head_name) if head_name in blocks else Linear(w[head_name], self.linear_backend, isa)
         self.layers: list[dict[str, Any]] = []
         one = 1.0 if cfg.norm_plus_one else 0.0
 
