@@ -183,7 +183,7 @@ class AsyncEngine(EngineClient):
         prepared = [await loop.run_in_executor(self._tokenizer, self.engine.prepare, spec) for spec in specs]
         commands = [_Add(spec, loop.create_future(), self._admit(spec).name) for spec in prepared]
         streams = [RequestStream(spec.request_id) for spec in prepared]
-        if not self._post_all(commands):
+        if not self._post(*commands):
             raise EngineStoppedError("the engine thread died" if self._died is not None else "shutting down")
         for stream in streams:
             self._streams[stream.request_id] = stream
@@ -267,26 +267,17 @@ class AsyncEngine(EngineClient):
     async def snapshot(self) -> EngineSnapshot:
         return await self.call(LLMEngine.snapshot)
 
-    def _post(self, command: _Command) -> bool:
-        """Hand a command to the engine thread; False (an add refused) once it has stopped
-        taking them (shutting down, or dead), so that no add waits for a thread that is gone."""
+    def _post(self, *commands: _Command) -> bool:
+        """Hand commands to the engine thread under one lock, so that it drains them together;
+        False (no add taken) once it has stopped taking adds (shutting down, or dead), so that
+        no add waits for a thread that is gone."""
         with self._cond:
-            if isinstance(command, _Add):
-                if self._stopping or self._died is not None:
-                    return False
-                self._posted[command.level] += 1
-            self._inbox.append(command)
-            self._cond.notify()
-        return True
-
-    def _post_all(self, adds: list[_Add]) -> bool:
-        """`_post` for several adds under one lock, so the engine thread drains them together."""
-        with self._cond:
-            if self._stopping or self._died is not None:
+            adds = [c for c in commands if isinstance(c, _Add)]
+            if adds and (self._stopping or self._died is not None):
                 return False
             for command in adds:
                 self._posted[command.level] += 1
-                self._inbox.append(command)
+            self._inbox.extend(commands)
             self._cond.notify()
         return True
 
