@@ -178,6 +178,9 @@ class SchedulerConfig:
     continuous / chunked: a waiting request preempts the least important running one when no
     seat or blocks are free and it outranks that one by `preempt_gap` priorities (0: never);
     a request is preempted so at most `max_preemptions` times (memory pressure has no bound).
+    `soft_share_tokens`: with every seat taken, a running soft-deadline answer with at least
+    this many tokens ends (shortened) to seat a queued soft-deadline request of no lower
+    priority that would otherwise start too late to answer (core/deadlines.py); 0: never.
     """
 
     policy: str = _flag("continuous", "static | dynamic | continuous | chunked | cascade")
@@ -198,6 +201,8 @@ class SchedulerConfig:
     latency_profile: str | None = _flag(None, "step-time model written by `batchserve profile`", metavar="FILE.json")
     preempt_gap: int = _flag(1, "a waiting request preempts a running one this many priorities below it (0: never)")
     max_preemptions: int = _flag(2, "most times one request is preempted for a more important one")
+    soft_share_tokens: int = _flag(8, "a soft-deadline answer this long yields its seat to a waiting "
+                                      "one about to miss (0: never)")
     extra: dict = field(default_factory=dict, metadata={"cli": False, "help": "more settings for a policy"})
 
     def __post_init__(self) -> None:
@@ -215,6 +220,7 @@ class SchedulerConfig:
         _check(self.cascade_ratio >= 1, "cascade_ratio", "must be >= 1")
         _check(self.preempt_gap >= 0, "preempt_gap", "must be >= 0")
         _check(self.max_preemptions >= 0, "max_preemptions", "must be >= 0")
+        _check(self.soft_share_tokens >= 0, "soft_share_tokens", "must be >= 0")
         _check(not self.cascade_workers or self.policy == "cascade", "cascade_workers",
                f"needs policy 'cascade', got {self.policy!r}")
 

@@ -167,6 +167,16 @@ class _Simulated:
         return {}
 
 
+def dump_records(path: str, system: str, seed: int, recs: list[RequestRecord]) -> None:
+    """Appends the flood's requests to `path`, one JSON line each (times relative to the first send)."""
+    t0 = min((r.send_time for r in recs), default=0.0)
+    with open(path, "a") as f:
+        for r in recs:
+            f.write(json.dumps({"system": system, "seed": seed, "cls": r.cls, "sent_s": r.send_time - t0,
+                                "status": r.status, "ttft_s": ttft(r), "e2e_s": e2e(r), "tokens": r.output_tokens,
+                                "prompt": r.prompt_tokens, "finish": r.finish_reason, "error": r.error}) + "\n")
+
+
 def e2e(r: RequestRecord) -> float | None:
     return None if r.end_time is None else r.end_time - r.send_time
 
@@ -226,7 +236,7 @@ def flood_summary(recs: list[RequestRecord], slo: dict[str, float], capacity: fl
 
 @contextlib.contextmanager
 def target(system: str, venv: str, model_dir: str, sim: str | None = None,
-           sim_overhead_s: float = 0.0) -> Iterator[_Live | _Simulated]:
+           sim_overhead_s: float = 0.0, log_path: str | None = None) -> Iterator[_Live | _Simulated]:
     """The system under test: a server started for the run, or (`sim`) its engine simulated."""
     if system == "vllm":
         if sim:
@@ -245,19 +255,22 @@ def target(system: str, venv: str, model_dir: str, sim: str | None = None,
         if sim:
             yield _Simulated(system, sim, sim_overhead_s, path)
             return
-        with running_server(["--max-num-seqs", str(SEATS)] + (["--queue-config", path] if path else [])) as url:
+        with running_server(["--max-num-seqs", str(SEATS)] + (["--queue-config", path] if path else []),
+                            log_path=log_path) as url:
             yield _Live(url, system)
 
 
 def measure(system: str, rng_seed: int, quick: bool, venv: str, model_dir: str, sim: str | None = None,
-            sim_overhead_s: float = 0.0, calibration: dict[str, Any] | None = None) -> dict[str, Any]:
+            sim_overhead_s: float = 0.0, calibration: dict[str, Any] | None = None,
+            records: str | None = None) -> dict[str, Any]:
     """One system through every phase. `calibration` (capacity and SLOs from an earlier system on
     the same engine): used instead of measuring this system's own, so that configurations of
     one engine are judged by the same targets and the same traffic."""
     rng = np.random.default_rng(rng_seed)
     scale = 0.5 if quick else 1.0
     out: dict[str, Any] = {"system": system}
-    with target(system, venv, model_dir, sim, sim_overhead_s) as tgt:
+    log_path = f"{records}.{system}.log" if records and not sim else None
+    with target(system, venv, model_dir, sim, sim_overhead_s, log_path) as tgt:
         send = tgt.send
         if system != "vllm":  # a fresh server refuses an impossible hard deadline at once
             out.update(tgt.first_refusal())
@@ -283,6 +296,8 @@ def measure(system: str, rng_seed: int, quick: bool, venv: str, model_dir: str, 
         before = tgt.scrape()
         recs, _ = send(flood)
         out["flood"] = flood_summary(recs, slo, cap, (2 * _HALF_S + _SURGE_S) * scale)
+        if records:
+            dump_records(records, system, rng_seed, recs)
         after = tgt.scrape()
         computed = after.get("computed_tokens", 0) - before.get("computed_tokens", 0)
         if computed:
@@ -370,13 +385,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sim", default=None, metavar="PROFILE.json", help="simulate on this `batchserve profile`")
     p.add_argument("--sim-overhead-ms", type=float, default=0.5, help="host time per simulated step")
     p.add_argument("--seeds", type=int, default=1, help="runs per system, seeds from --seed on, averaged")
+    p.add_argument("--records", default=None, metavar="FILE.jsonl",
+                   help="append each flood request's outcome here; each server's log goes beside it")
     p.add_argument("--own-calibration", action="store_true",
                    help="calibrate each batchserve configuration on its own (default: the first one's)")
     a = p.parse_args(argv)
     results, calib = [], None
     for s in a.systems.split(","):
         r = mean_of([measure(s, a.seed + k, a.quick, a.vllm_venv, a.vllm_model_dir, a.sim,
-                             a.sim_overhead_ms / 1000, None if s == "vllm" or a.own_calibration else calib)
+                             a.sim_overhead_ms / 1000, None if s == "vllm" or a.own_calibration else calib,
+                             a.records)
                      for k in range(a.seeds)])
         if s != "vllm" and calib is None:
             calib = r

@@ -239,3 +239,62 @@ def test_no_step_prediction_without_a_queued_deadline(make_fake_engine):
     done = drive(eng)
     assert calls  # the queued deadline was watched
     assert done["waiter"].finish_reason == "length" and done["hog"].finish_reason == "length"
+
+
+@pytest.mark.parametrize("share", [8, 0])
+def test_soft_deadlines_share_the_seats(make_fake_engine, share):
+    """Two seats, four soft-deadline answers of 200 tokens due in 0.5 s (10 ms a step): the two
+    that start first would hold the seats until just before their deadlines, and the other two
+    would get a single token. Sharing ends the running ones shortened in time for the queued
+    ones to keep `soft_share_tokens` each; soft_share_tokens=0 never does."""
+    eng = make_fake_engine(max_num_seqs=2, soft_share_tokens=share)
+    warm_up(eng)
+    t0 = eng.clock.now()
+    for i in range(4):
+        eng.add_request([1, 2, 3], SamplingParams(max_tokens=200), now=t0, request_id=f"s{i}",
+                        deadline_ms=500, deadline_kind="soft")
+    done = drive(eng)
+    outs = [done[f"s{i}"] for i in range(4)]
+    assert all(o.finish_time <= t0 + 0.5 + 1e-9 and o.error is None for o in outs)
+    assert all(o.finish_reason == "deadline_truncated" for o in outs)
+    late = sorted(len(o.token_ids) for o in outs)[:2]
+    if share:
+        assert late[0] >= share  # every answer keeps at least the minimum
+    else:
+        assert late == [1, 1]
+    assert eng.queue_stats().deadline_misses == {"hard": 0, "soft": 4}
+    assert eng.scheduler.requests == {}
+
+
+def test_soft_deadline_never_takes_a_more_important_seat(make_fake_engine):
+    """Seat sharing gives a queued soft request only the seats of soft requests of no higher
+    priority: a priority-9 soft answer runs to its own deadline beside a waiting priority-5 one."""
+    eng = make_fake_engine(max_num_seqs=1)
+    warm_up(eng)
+    t0 = eng.clock.now()
+    eng.add_request([1, 2, 3], SamplingParams(max_tokens=200), now=t0, request_id="hi", priority=9,
+                    deadline_ms=400, deadline_kind="soft")
+    eng.add_request([1, 2, 3], SamplingParams(max_tokens=200), now=t0, request_id="mid", priority=5,
+                    deadline_ms=300, deadline_kind="soft")
+    done = drive(eng)
+    assert done["hi"].finish_reason == "deadline_truncated" and len(done["hi"].token_ids) >= 30
+    assert done["mid"].finish_reason == "deadline" and not done["mid"].token_ids
+
+
+def test_preempted_soft_request_ends_with_its_tokens(make_fake_engine):
+    """A soft-deadline answer preempted for a more important request, whose deadline passes
+    while it waits to resume, ends with the tokens it has (deadline_truncated, no error):
+    its first tokens went out, so 'no token before the deadline' would be untrue."""
+    eng = make_fake_engine(max_num_seqs=1)
+    warm_up(eng)
+    t0 = eng.clock.now()
+    eng.add_request([1, 2, 3], SamplingParams(max_tokens=50), now=t0, request_id="soft", priority=1,
+                    deadline_ms=150, deadline_kind="soft")
+    done = drive(eng, until=t0 + 0.05)
+    eng.add_request([1, 2, 3], SamplingParams(max_tokens=40), now=eng.clock.now(), request_id="vip", priority=9)
+    done.update(drive(eng))
+    s = done["soft"]
+    assert s.error is None and s.finish_reason == "deadline_truncated"
+    assert 3 <= len(s.token_ids) < 50 and s.token_ids == list(range(6, 6 + len(s.token_ids)))
+    assert s.finish_time <= t0 + 0.15 + 0.011
+    assert done["vip"].finish_reason == "length" and len(done["vip"].token_ids) == 40

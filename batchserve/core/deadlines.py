@@ -10,7 +10,15 @@ finish, one step early — a step as slow as the slowest of the last few measure
 prompt joining a step makes it several decodes long — so the shortened answer arrives by the
 deadline with finish reason
 `deadline_truncated`. A soft request whose deadline passes before it has a token ends with
-finish reason `deadline` (an error saying so), never with silence.
+finish reason `deadline` (an error saying so), never with silence; one that has tokens (it was
+preempted after its first) ends with them, `deadline_truncated`, when its deadline passes in the
+queue. Seats are shared among soft deadlines: when every seat is taken and the queue's head is
+a soft-deadline request that would start too late for `soft_share_tokens` tokens by its
+deadline (and no seat frees in time by itself), the running soft-deadline request of no higher
+priority with the most tokens (at least `soft_share_tokens`) ends now, shortened, and the head
+takes its seat: under overload two shortened answers arrive on time instead of one long answer
+and one error. This is the soft deadline's own contract (a shorter answer, on time) applied to
+the requests that share the seats.
 
 Predictions come from the latency model; before it is fitted, the recent measured step
 (`recent_step`) stands in for every step. A running request with two or more tokens out is
@@ -209,7 +217,10 @@ class DeadlineRules:
         made, so later predictions see the running set the earlier ones left."""
         self._watch_predictions(waiting, len(running))
         for req in waiting.refresh(now, lambda r: self.service(r, len(running), joining=True)):
-            yield _miss(req, now, self.service(req, len(running), joining=True))
+            if not req.hard_deadline and req.num_output_tokens:  # preempted after its first token
+                yield Truncate(req, req.num_output_tokens, True)
+            else:
+                yield _miss(req, now, self.service(req, len(running), joining=True))
         limits: list[float] | None = None
         last: list[float] | None = None  # by priority: time left to the nearest running deadline
         tpot = self._tpot
@@ -245,6 +256,7 @@ class DeadlineRules:
                 if limits is None:
                     limits = [math.inf] * (MAX_PRIORITY + 1)
                 limits[req.priority] = min(limits[req.priority], lim)
+        yield from self._share_seat(waiting, running, now)
         self.equal_ceiling = limits or _NO_CEILING
         if limits is None and last is None:
             self.ceiling = _NO_CEILING
@@ -256,6 +268,34 @@ class DeadlineRules:
             for p in range(MAX_PRIORITY - 1, -1, -1):  # joining at p: the limits of priorities above p
                 ceiling[p] = min(ceiling[p + 1], limits[p + 1], last[p])
             self.ceiling = ceiling
+
+    def _share_seat(self, waiting: AdmissionQueue, running: list[Request], now: float) -> Iterator[Decision]:
+        """At most one running soft-deadline answer ended, shortened, for the seat of the
+        queue's head (the module docstring): only when every seat is taken, the head is a
+        soft-deadline request with no token yet whose latest useful start (its deadline, less
+        its first token and `soft_share_tokens` decode steps) is within two steps, it can
+        still have a token in time, and no running request ends before that start anyway."""
+        cfg = self.config
+        keep, n = cfg.soft_share_tokens, len(running)
+        if not keep or n < cfg.max_num_seqs:
+            return
+        head = waiting.peek()
+        if head is None or head.deadline is None or head.hard_deadline or head.num_output_tokens:
+            return
+        step = self._steps.predict_step(n, n)
+        if step <= 0:
+            return
+        first = service_time(self._steps, head.num_tokens - head.num_computed_tokens, 1, n, cfg.max_num_batched_tokens)
+        latest = head.deadline - first - keep * step
+        if now + 2 * step < latest or now + first + step >= head.deadline:
+            return  # not yet (another look next step), or too late for even one token
+        if now + step * min(r.max_tokens - r.num_output_tokens for r in running) <= latest:
+            return  # a seat frees in time by itself
+        victims = [r for r in running if r.deadline is not None and not r.hard_deadline
+                   and r.priority <= head.priority and r.num_output_tokens >= keep]
+        if victims:
+            v = max(victims, key=lambda r: (r.num_output_tokens, -r.arrival_time))
+            yield Truncate(v, v.num_output_tokens, True)
 
     def after_step(self, req: Request, end: float) -> Miss | None:
         """A hard-deadline request whose step ended after its deadline: its result is too late."""
