@@ -103,6 +103,7 @@ class LoadedModel:
     # A GGUF file's block-quantized matrices as stored (HF name -> (GGUF_BLOCK_FORMATS code, uint8 [rows, bytes]),
     # rows in HF order); `weights` holds the same matrices dequantized (made on first access).
     quantized: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    path: str | None = None  # the GGUF file the blocks came from (the packed-weight cache's key)
 
 
 def resolve_model_path(model: str) -> str:
@@ -133,6 +134,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
             loaded = _load_hf_dir(path)
         elif path.endswith(".gguf"):
             loaded = _load_gguf(path)
+            loaded.path = path
         else:
             raise ModelLoadError(f"model {path!r}: expected a .gguf file or a Hugging Face directory")
     check_weights(loaded.config, loaded.weights, loaded.name)

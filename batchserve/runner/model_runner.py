@@ -15,7 +15,8 @@ from batchserve.core.batch import ScheduledBatch, ScheduledSeq, StepOutput
 from batchserve.runner.attention import AttnMeta, gather_rows, scatter_rows, slot_rows, to_cache_dtype
 from batchserve.runner.kernels import build_all, fused_ops_ext, paged_attention_ext
 from batchserve.runner.loader import LoadedModel
-from batchserve.runner.models.llama import LlamaModel, cpu_isa_in_use, has_int_blocks
+from batchserve.runner import weight_cache
+from batchserve.runner.models.llama import INT_MATMUL, LlamaModel, cpu_isa_in_use, has_int_blocks
 from batchserve.runner.sampler import log_probs, sample, token_logprobs
 
 log = logging.getLogger(__name__)
@@ -147,8 +148,14 @@ class ModelRunner:
                              f"model's sliding-window layers (window {self.cfg.sliding_window})")
         mm = resolve_matmul_dtype(model_cfg, loaded)
         blocks = loaded.quantized if model_cfg.quantized_weights == "auto" else None
+        cached = bits = None
+        if blocks and loaded.path and self.device.type == "cpu":
+            bits = INT_MATMUL.get(mm, 0)
+            cached = weight_cache.load(loaded.path, bits)
         self.model = LlamaModel(loaded.config, loaded.weights, model_cfg.linear_backend, mm, fused, blocks,
-                                cpu_isa=model_cfg.cpu_isa)
+                                cpu_isa=model_cfg.cpu_isa, packed=cached)
+        if bits is not None and self.model.packed and (cached is None or set(cached) != set(self.model.packed)):
+            weight_cache.save(loaded.path, bits, self.model.packed)
         if self.model.quantized_matrices:
             log.info("weights: %d matrices multiplied from their GGUF blocks (C++ GEMM)%s",
                      self.model.quantized_matrices,

@@ -165,33 +165,36 @@ class Linear:
     __slots__ = ("w", "backend", "n", "k", "fmt", "act_bits", "isa", "fn", "gated_fn")
 
     @classmethod
-    def from_blocks(cls, raw: torch.Tensor, src: int, act_bits: int = 0, isa: int = -1) -> "Linear":
+    def from_blocks(cls, raw: torch.Tensor | None, src: int, act_bits: int = 0, isa: int = -1,
+                    packed: torch.Tensor | None = None, n: int | None = None) -> "Linear":
         """From a GGUF file's blocks as stored (uint8 [N, row bytes]; `src` 0 = Q4_1, 1 = Q8_0,
         2 = Q4_0, 3 = Q4_K, 4 = Q6_K): the C++ GEMM expands them in registers, float32 math,
         products equal to the dequantized weights' bit for bit. `fmt` is the panel layout: 1 for
         Q8_0, 2 for Q6_K (int8 with a scale per 16 k), else 0 (Q4_1's).
         `act_bits` 8 or 16 (sources in INT_SOURCES): the activations are quantized to int8 / int16
         per 32 k and multiplied into the integer quants (AVX512-VNNI or AVX2 dot products; fmt 1 for
-        Q8_0, else 0); 0: float32 activations. `isa`: the C++ code path (ISA_CODES), -1 the best."""
+        Q8_0, else 0); 0: float32 activations. `isa`: the C++ code path (ISA_CODES), -1 the best.
+        `packed`: what packing `raw` gave on an earlier start (runner/weight_cache.py), used as it
+        is; then `raw` may be None and `n` gives the rows."""
         from batchserve.runner.kernels import gemm_ext
 
         ext = gemm_ext()
         if ext is None:
             raise RuntimeError("quantized weights: the C++ panel GEMM did not build here")
         lin = cls.__new__(cls)
-        lin.backend, lin.n, lin.act_bits, lin.isa = "cpp", raw.shape[0], act_bits, isa
+        lin.backend, lin.n, lin.act_bits, lin.isa = "cpp", raw.shape[0] if n is None else n, act_bits, isa
         if act_bits:
             if src not in INT_SOURCES or act_bits not in (8, 16):
                 raise ValueError(f"integer matrix products take GGUF sources {sorted(INT_SOURCES)} and 8- or 16-bit "
                                  f"activations, got source {src}, {act_bits} bits")
             fmt = 1 if src == 1 else 0
-            lin.w = w = ext.pack_int(raw, src, act_bits)
+            lin.w = w = ext.pack_int(raw, src, act_bits) if packed is None else packed
             gemm_int, n = ext.gemm_int, lin.n
             lin.fn = lambda x: gemm_int(x, w, n, fmt, act_bits, isa)
             lin.gated_fn = lambda gu: gemm_int(gu, w, n, fmt, act_bits, isa, True)
         else:
             fmt = {1: 1, 4: 2}.get(src, 0)
-            lin.w = w = ext.pack_q(raw, src)
+            lin.w = w = ext.pack_q(raw, src) if packed is None else packed
             gemm_q, n = ext.gemm_q, lin.n
             lin.fn = lambda x: gemm_q(x, w, n, fmt, isa)
             lin.gated_fn = None
@@ -282,7 +285,8 @@ def _mm(lin: "Linear", x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tens
 class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor], linear_backend: str = "auto",
                  matmul_dtype: torch.dtype | None = None, fused: Any = None,
-                 quantized: dict[str, tuple[int, torch.Tensor]] | None = None, cpu_isa: str = "auto") -> None:
+                 quantized: dict[str, tuple[int, torch.Tensor]] | None = None, cpu_isa: str = "auto",
+                 packed: dict[str, torch.Tensor] | None = None) -> None:
         """`weights` uses Hugging Face names (model.layers.N.self_attn.q_proj.weight, ...).
         `linear_backend`: auto (best_linear_backend: the C++ panel GEMM on AVX-512, else oneDNN on
         packed weights where it runs, else torch), cpp, onednn, torch.
@@ -301,7 +305,10 @@ class LlamaModel(nn.Module):
         `cpu_isa` (ModelConfig.cpu_isa): the code path of every C++ matrix product, float32 and
         integer alike: auto the best this CPU has, else avx512, avx2 or portable (ConfigError when
         the CPU lacks it), so one machine can run and check the slower paths; `linear_backend`
-        auto then picks as a CPU whose best that path is would."""
+        auto then picks as a CPU whose best that path is would.
+        `packed`: the matrices packed from `quantized` on an earlier start (weight_cache.load),
+        used instead of packing again; `self.packed` holds every matrix packed here, by the same
+        keys, for weight_cache.save."""
         super().__init__()
         self.cfg = cfg
         w = weights
@@ -346,6 +353,7 @@ class LlamaModel(nn.Module):
         blocks = quantized if (quantized and self.linear_backend == "cpp" and mm == torch.float32
                                and self.embed.dtype == torch.float32 and self.embed.device.type == "cpu") else {}
         self.quantized_matrices = 0
+        self.packed: dict[str, torch.Tensor] = {}
 
         # Packing GGUF blocks into panels is single-threaded C++ that lets go of the GIL: the
         # matrices are packed on a few threads at once, each result taken once all are queued.
@@ -360,8 +368,20 @@ class LlamaModel(nn.Module):
                 src = fmts.pop()
                 bits = act_bits if src in INT_SOURCES else 0
                 self.int_matrices += bits > 0
+                key = f"{src}:{bits}:" + "|".join(names)
+                if packed is not None and key in packed:
+                    rows = sum(blocks[k][1].shape[0] for k in names)
+                    done = Linear.from_blocks(None, src, act_bits=bits, isa=isa, packed=packed[key], n=rows)
+                    self.packed[key] = done.w
+                    return done
                 parts = [blocks[k][1] for k in names]
-                return packing.submit(lambda: Linear.from_blocks(torch.cat(parts), src, act_bits=bits, isa=isa))
+
+                def pack() -> Linear:
+                    made = Linear.from_blocks(torch.cat(parts), src, act_bits=bits, isa=isa)
+                    self.packed[key] = made.w
+                    return made
+
+                return packing.submit(pack)
             t = w[names[0]] if len(names) == 1 else torch.cat([w[k] for k in names])
             return Linear(t.to(mm), layer_backend, isa)
 
