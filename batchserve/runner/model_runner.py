@@ -14,7 +14,7 @@ from batchserve.config import CacheConfig, ModelConfig, kv_cache_dtype_name
 from batchserve.core.batch import ScheduledBatch, ScheduledSeq, StepOutput
 from batchserve.runner.attention import AttnMeta, gather_rows, scatter_rows, slot_rows, to_cache_dtype
 from batchserve.runner.kernels import build_all, fused_ops_ext, paged_attention_ext
-from batchserve.runner.loader import LoadedModel
+from batchserve.runner.loader import LazyWeights, LoadedModel
 from batchserve.runner import weight_cache
 from batchserve.runner.models.llama import INT_MATMUL, LlamaModel, cpu_isa_in_use, has_int_blocks
 from batchserve.runner.sampler import log_probs, sample, token_logprobs
@@ -131,7 +131,10 @@ class ModelRunner:
                                           or model_cfg.linear_backend in ("auto", "cpp")):
             build_all()  # the kernels this runner may use, compiled at once on a first start
         self.cfg = loaded.config
-        dtype = loaded.weights["model.embed_tokens.weight"].dtype
+        # the weights' dtype; a GGUF file's (LazyWeights) without making the embedding here, since
+        # LlamaModel may take it from the packed-weight cache instead
+        w = loaded.weights
+        dtype = getattr(torch, model_cfg.dtype) if isinstance(w, LazyWeights) else w["model.embed_tokens.weight"].dtype
         self.kv_dtype = resolve_kv_cache_dtype(model_cfg, cache_cfg)
         cpp_ok = cpp_attention_wanted(model_cfg, dtype)
         fused = fused_ops_ext() if cpp_ok else None
@@ -149,7 +152,7 @@ class ModelRunner:
         mm = resolve_matmul_dtype(model_cfg, loaded)
         blocks = loaded.quantized if model_cfg.quantized_weights == "auto" else None
         cached = bits = None
-        if blocks and loaded.path and self.device.type == "cpu":
+        if blocks and loaded.path and self.device.type == "cpu" and model_cfg.dtype == "float32":
             bits = INT_MATMUL.get(mm, 0)
             cached = weight_cache.load(loaded.path, bits)
         self.model = LlamaModel(loaded.config, loaded.weights, model_cfg.linear_backend, mm, fused, blocks,

@@ -307,12 +307,17 @@ class LlamaModel(nn.Module):
         the CPU lacks it), so one machine can run and check the slower paths; `linear_backend`
         auto then picks as a CPU whose best that path is would.
         `packed`: the matrices packed from `quantized` on an earlier start (weight_cache.load),
-        used instead of packing again; `self.packed` holds every matrix packed here, by the same
-        keys, for weight_cache.save."""
+        used instead of packing again (and the embedding dequantized from its blocks, instead of
+        dequantizing it again); `self.packed` holds all of these, by the same keys, for
+        weight_cache.save."""
         super().__init__()
         self.cfg = cfg
         w = weights
-        self.embed = w["model.embed_tokens.weight"]  # [V, H]
+        self.packed: dict[str, torch.Tensor] = {}
+        emb = "dense:model.embed_tokens.weight"  # dequantized from its blocks: cached beside the packed matrices
+        self.embed = packed[emb] if packed is not None and emb in packed else w["model.embed_tokens.weight"]  # [V, H]
+        if quantized and "model.embed_tokens.weight" in quantized:
+            self.packed[emb] = self.embed
         self.norm = w["model.norm.weight"]
         mm = matmul_dtype or self.embed.dtype
         act_bits = INT_MATMUL.get(mm, 0)
@@ -353,7 +358,6 @@ class LlamaModel(nn.Module):
         blocks = quantized if (quantized and self.linear_backend == "cpp" and mm == torch.float32
                                and self.embed.dtype == torch.float32 and self.embed.device.type == "cpu") else {}
         self.quantized_matrices = 0
-        self.packed: dict[str, torch.Tensor] = {}
 
         # Packing GGUF blocks into panels is single-threaded C++ that lets go of the GIL: the
         # matrices are packed on a few threads at once, each result taken once all are queued.
