@@ -3,9 +3,13 @@ virtual clock): step ceilings keep the steps a running request shares within its
 TPOT target or what its hard deadline can afford, whatever joins; soft deadlines are planned
 so the answer arrives by the deadline; a warmed-up engine refuses an impossible hard deadline
 before running anything."""
+import random
+
+import pytest
+
 from batchserve.config import LevelConfig, QueueConfig
 from batchserve.core.batch import ScheduledBatch, StepOutput
-from batchserve.request import SamplingParams
+from batchserve.request import RequestStatus, SamplingParams
 from tests.conftest import FakeExecutor
 
 LEVELS = (LevelConfig("high", tuple(range(7, 11)), tpot_ms=6.0), LevelConfig("low", tuple(range(0, 7))))
@@ -271,3 +275,39 @@ def test_a_step_ceiling_cuts_less_important_prompts_instead_of_idling_their_seat
     half = t0 + (done["hd"].finish_time - t0) / 2
     started = sum(done[f"low{i}"].first_token_time < half for i in range(4))
     assert started >= 2, "the less important prompts waited for the hard-deadline request to end"
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_floods_never_keep_a_high_request_waiting_past_a_step(make_fake_engine, seed):
+    """Random arrivals: a flood of long low-priority answers at about five times what four
+    seats serve, and short high-priority ones that alone fit the seats. No high request waits
+    more than one step for its first scheduling (it preempts, the victim keeps its blocks), and
+    every request ends exactly once with its blocks back (the KV-leak fixture)."""
+    rng = random.Random(seed)
+    eng = make_fake_engine(max_num_seqs=4, num_blocks=400)
+    arrivals, t, th = [], 0.0, 0.0
+    for i in range(60):
+        t += rng.expovariate(20)
+        arrivals.append((t, f"lo{i}", 1, rng.randint(20, 80)))
+    for i in range(10):
+        th += rng.uniform(0.1, 0.3)
+        arrivals.append((th, f"hi{i}", 9, rng.randint(2, 6)))
+    arrivals.sort()
+    reqs, ended, k = {}, [], 0
+    while k < len(arrivals) or eng.has_unfinished:
+        now = eng.clock.now()
+        while k < len(arrivals) and arrivals[k][0] <= now:
+            _, rid, prio, n = arrivals[k]
+            k += 1
+            reqs[rid] = eng.add_request([1, 2, 3], SamplingParams(max_tokens=n, ignore_eos=True), now=now,
+                                        request_id=rid, priority=prio)
+        if eng.has_unfinished:
+            ended += [o.request_id for o in eng.step(now=now).outputs if o.finished]
+            eng.clock.set(now + eng.executor.step_time)
+        else:
+            eng.clock.set(arrivals[k][0])
+    assert sorted(ended) == sorted(reqs)
+    assert all(reqs[r].status == RequestStatus.FINISHED_LENGTH for r in reqs)
+    waits = [r.first_scheduled_time - r.arrival_time for rid, r in reqs.items() if rid.startswith("hi")]
+    assert max(waits) <= eng.executor.step_time + 1e-9
+    assert any(r.num_preemptions for r in reqs.values())  # the seats were full: it preempted
