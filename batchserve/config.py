@@ -181,6 +181,10 @@ class SchedulerConfig:
     `soft_share_tokens`: with every seat taken, a running soft-deadline answer with at least
     this many tokens ends (shortened) to seat a queued soft-deadline request of no lower
     priority that would otherwise start too late to answer (core/deadlines.py); 0: never.
+    `pay_padding` (static / dynamic): the batch's padding is computed, not only counted — each
+    step carries the rows a padded engine would run (prompts padded to the longest, finished
+    members' decode rows), which the simulator charges and the model runner runs and discards
+    (core/policies/request_level.py); other policies never pad.
     """
 
     policy: str = _flag("continuous", "static | dynamic | continuous | chunked | cascade")
@@ -203,6 +207,8 @@ class SchedulerConfig:
     max_preemptions: int = _flag(2, "most times one request is preempted for a more important one")
     soft_share_tokens: int = _flag(8, "a soft-deadline answer this long yields its seat to a waiting "
                                       "one about to miss (0: never)")
+    pay_padding: bool = _flag(False, "static / dynamic: compute the padding a padded engine would, "
+                                     "not only count it")
     extra: dict = field(default_factory=dict, metadata={"cli": False, "help": "more settings for a policy"})
 
     def __post_init__(self) -> None:

@@ -33,9 +33,11 @@ class Recording:
         self.runner = runner
         self.num_blocks, self.max_model_len, self.cfg = runner.num_blocks, runner.max_model_len, runner.cfg
         self.shapes: list[list[tuple[int, bool]]] = []
+        self.padding_rows = 0
 
     def execute(self, batch):
         self.shapes.append([(s.num_tokens, s.sample) for s in batch.seqs])
+        self.padding_rows += len(batch.padding)
         return self.runner.execute(batch)
 
 
@@ -91,6 +93,17 @@ def test_every_policy_gives_the_same_greedy_tokens(setup):
             assert any((7, False) in b and (1, True) in b for b in shapes)
         if name == "cascade":
             assert all(len({n == 1 for n, _ in b}) == 1 for b in shapes)
+
+
+def test_paying_padding_keeps_static_tokens(setup):
+    """pay_padding runs the padding rows through the model next to the batch (their K/V in the
+    runner's scratch block): the members' tokens are those of the ragged run."""
+    runner, tok, eos, prompts, arrivals, max_tokens = setup
+    ragged, _ = run(runner, tok, eos, prompts, arrivals, max_tokens, "static", **SETTINGS["static"])
+    padded, eng = run(runner, tok, eos, prompts, arrivals, max_tokens, "static", pay_padding=True,
+                      **SETTINGS["static"])
+    assert padded == ragged
+    assert eng.scheduler.policy.padding_tokens > 0 and eng.executor.padding_rows > 0
 
 
 @pytest.mark.parametrize("policy", sorted(SETTINGS))

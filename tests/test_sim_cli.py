@@ -76,7 +76,9 @@ def test_every_scenario_runs_small_and_prints_the_seed_next_to_the_simulation() 
         assert f"## {name}:" in text
     rows = [line for line in text.splitlines() if line.startswith("| ") and "| metric |" not in line]
     seed_rows = [r for r in rows if r.split("|")[2].strip() != "-"]
-    assert len(seed_rows) == 11  # every before/after figure the seed gives, next to the simulated pair
+    # every before/after figure the seed gives, next to the simulated pair (S3's throughput twice:
+    # request level's padding accounted, and paid)
+    assert len(seed_rows) == 12
     assert all(r.rsplit("|", 2)[1].strip() in ("agrees", "DISAGREES", "unchanged") for r in seed_rows)
     assert "| 450 | 120 |" in text and "| 2,500 | 800 |" in text
 
@@ -120,12 +122,28 @@ def test_simulate_says_padding_is_only_accounted(capsys) -> None:
     assert main(base + ["--policy", "static"]) == 0
     out = capsys.readouterr().out
     assert "padding:" in out and "accounted only" in out and "unpadded" in out
+    assert main(base + ["--policy", "static", "--pay-padding"]) == 0
+    out = capsys.readouterr().out
+    assert "padding:" in out and "paid" in out and "accounted only" not in out
     assert main(base + ["--policy", "continuous"]) == 0  # nothing padded, nothing to say
     assert "padding:" not in capsys.readouterr().out
 
 
-def test_policies_benchmark_says_padding_is_only_accounted() -> None:
-    from benchmarks.policies import PADDING_NOTE, table
+def test_policies_benchmark_says_which_padding_is_only_accounted() -> None:
+    from benchmarks.policies import PADDING_NOTE, POLICY_SETTINGS, table, targets
 
-    assert "accounted, not computed" in PADDING_NOTE and "ragged" in PADDING_NOTE
-    assert "padding (accounted, not run)" in table([])
+    assert "accounted in static / dynamic, computed in static-padded / dynamic-padded" in PADDING_NOTE
+    assert "ragged" in PADDING_NOTE
+    assert all(POLICY_SETTINGS[f"{n}-padded"] == {**POLICY_SETTINGS[n], "pay_padding": True}
+               for n in ("static", "dynamic"))
+    assert "padding (share; run or only accounted)" in table([])
+    from benchmarks.policies import Workload
+
+    w = Workload("b: mixed", "mixed", 1, 1.0, 1.0)
+    res = {n: {"summary": {"output_tokens_per_s": tp}} for n, tp in
+           (("chunked", 30.0), ("static", 20.0), ("dynamic", 15.0), ("static-padded", 12.0))}
+    lines = targets([(w, n, r) for n, r in res.items()])
+    assert lines == ["- (b) token-level (chunked) / best request-level throughput, padding accounted: 1.50x "
+                     "(seed: >= 1.5x)",
+                     "- (b) token-level (chunked) / best request-level throughput, padding paid: 2.50x "
+                     "(seed: >= 1.5x)"]

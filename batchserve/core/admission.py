@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Callable, Iterable
 
-from batchserve.core.batch import ScheduledBatch, ScheduledSeq
+from batchserve.core.batch import PadRow, ScheduledBatch, ScheduledSeq
 from batchserve.request import MAX_PRIORITY, Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -72,8 +72,9 @@ class StepBuilder:
         self.budget = budget
         self._stage_start = len(self.seqs)
 
-    def batch(self, num_padding_tokens: int = 0) -> ScheduledBatch:
-        return ScheduledBatch(self.seqs, num_padding_tokens=num_padding_tokens, total_tokens=self.spent)
+    def batch(self, num_padding_tokens: int = 0, padding: list[PadRow] | None = None) -> ScheduledBatch:
+        return ScheduledBatch(self.seqs, num_padding_tokens=num_padding_tokens, total_tokens=self.spent,
+                              padding=padding or [])
 
     # --- running requests ------------------------------------------------------------------
     def running(self, chunk: int | None = None, select: Callable[[Request], bool] | None = None,

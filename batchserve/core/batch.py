@@ -44,10 +44,25 @@ class ScheduledSeq:
         return len(self.token_ids) == 1 and self.start_pos > 0
 
 
+@dataclass(frozen=True)
+class PadRow:
+    """Padding a padded engine would compute in this step: `num_tokens` tokens at positions
+    start_pos.. of a row that belongs to no request. A prompt's padding (to the batch's longest
+    prompt) is a row of n >= 1 tokens that samples nothing; a finished member's padded decode
+    row is one token that runs the LM head too (`sample`), its logits thrown away."""
+
+    start_pos: int
+    num_tokens: int
+    sample: bool
+
+
 @dataclass
 class ScheduledBatch:
     """What one forward pass computes. `num_padding_tokens` is accounting for request-level
-    policies (tokens a padded batch would have wasted); the runner never pads.
+    policies (tokens a padded batch would have wasted). `padding` is that padding as rows to
+    compute, set only when the scheduler is told to pay it (`SchedulerConfig.pay_padding`):
+    the cost models charge them and the model runner runs them, results discarded; empty,
+    the runner pads nothing.
 
     A batch is valid until the next schedule(): a decoding request's ScheduledSeq is one object
     updated in place from step to step (copy what must outlive the step)."""
@@ -57,6 +72,7 @@ class ScheduledBatch:
     # the seqs' tokens, when the policy counted them as it scheduled (its budget spent); else
     # counted on each read of num_tokens
     total_tokens: int | None = None
+    padding: list[PadRow] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

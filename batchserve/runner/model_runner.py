@@ -1,6 +1,16 @@
 """ModelRunner: ScheduledBatch -> flat inputs -> forward -> sample -> StepOutput.
 
-It owns the model and the KV tensors and never sees a Request or a policy."""
+It owns the model and the KV tensors and never sees a Request or a policy.
+
+Padding (`batch.padding`, set only when a request-level policy pays it): each PadRow runs
+through the model as one more sequence of pad tokens (id 0) after the batch's own, so the
+step does a padded engine's extra work: the embedding, every layer's matrix products, RoPE,
+attention over the row's whole context (p + n positions) and, for a padded decode row, the
+LM head. Its K/V are written to, and its context read from, one scratch block the KV manager
+never hands out (the pool has `num_blocks` blocks; the tensors hold one more), so no
+request's cache is touched and no block is taken from the pool; its outputs are discarded.
+Not emulated: the values (a pad row attends to the scratch block's leftovers, not to its
+member's prompt) and a dense kernel's shape (the rows stay ragged in one flat batch)."""
 from __future__ import annotations
 
 import logging
@@ -174,8 +184,9 @@ class ModelRunner:
             raise ValueError(f"kv_cache_dtype=int8: head_dim {self.cfg.head_dim} is not supported by the prompt "
                              "kernel here (64 or 128 on an AVX-512 CPU)")
         k_shape, v_shape = kv_block_shapes(self.cfg, self.block_size, self.kv_dtype)  # layout: attention.py
-        self.kv_caches = [(zeroed((self.num_blocks, *k_shape), self.kv_dtype, self.device),
-                           zeroed((self.num_blocks, *v_shape), self.kv_dtype, self.device))
+        self.scratch_block = self.num_blocks  # padding rows' K/V (module docstring); not in the pool
+        self.kv_caches = [(zeroed((self.num_blocks + 1, *k_shape), self.kv_dtype, self.device),
+                           zeroed((self.num_blocks + 1, *v_shape), self.kv_dtype, self.device))
                           for _ in range(self.cfg.num_layers)]
         self.generator = torch.Generator(device=self.device).manual_seed(model_cfg.seed)
         log.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s%s)", self.num_blocks,
@@ -191,7 +202,8 @@ class ModelRunner:
     def compute_logits(self, batch: ScheduledBatch, scores: dict | None = None) -> torch.Tensor:
         """Run the forward pass; return float32 logits [S, V] for the seqs with sample=True.
         `scores`, if given, receives for each seq with prompt_targets the TokenLogprob of each
-        target (the prompt logprobs)."""
+        target (the prompt logprobs). The batch's padding rows run too (module docstring);
+        their logits are computed and dropped."""
         ids: list[int] = []
         pos: list[int] = []
         sample_rows: list[int] = []
@@ -203,8 +215,16 @@ class ModelRunner:
             pos.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
             if s.sample:
                 sample_rows.append(len(ids) - 1)
-        meta = AttnMeta.build([(s.start_pos, len(s.token_ids), s.block_table) for s in batch.seqs],
-                              self.block_size, self.device, self.kernel)
+        rows = [(s.start_pos, len(s.token_ids), s.block_table) for s in batch.seqs]
+        num_real = len(sample_rows)
+        for pad in batch.padding:  # after the real rows: every scratch-table position is the scratch block
+            end = pad.start_pos + pad.num_tokens
+            ids.extend([0] * pad.num_tokens)
+            pos.extend(range(pad.start_pos, end))
+            rows.append((pad.start_pos, pad.num_tokens, [self.scratch_block] * -(-end // self.block_size)))
+            if pad.sample:
+                sample_rows.append(len(ids) - 1)
+        meta = AttnMeta.build(rows, self.block_size, self.device, self.kernel)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, positions, meta, self.kv_caches)  # [T, H]
@@ -215,8 +235,10 @@ class ModelRunner:
                     scores[s.request_id] = token_logprobs(lp, s.prompt_targets,
                                                           [s.params.prompt_logprobs] * len(s.prompt_targets))
             if len(sample_rows) == len(ids):  # every row samples (decodes only): no gathered copy
-                return self.model.logits(hidden)
-            return self.model.logits(hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)])
+                logits = self.model.logits(hidden)
+            else:
+                logits = self.model.logits(hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)])
+            return logits if num_real == len(sample_rows) else logits[:num_real]
 
     def prompt_logprobs(self, token_ids: list[int], block_table: list[int], chunk_tokens: int = 512) -> torch.Tensor:
         """Scores a token sequence: float32 [n - 1], entry i - 1 = log P(token_ids[i] |

@@ -34,6 +34,17 @@ sharing the step. The roofline makes a mixed step cheaper than its parts run apa
 weights are read once for both); real devices lose some of that to the two shapes sharing
 kernels, and f says how much. A step of prompts only or of decodes only is never changed.
 
+Padding paid (`batch.padding`, the rows a padded engine would run: request-level policies with
+`pay_padding`). Each pad row j, n_j tokens from position p_j, enters the sums above as one
+more sequence:
+
+    T     += sum_j n_j                         S_smp += #pad rows with sample=True
+    A     += sum_j n_j * (p_j + (n_j + 1) / 2) ctx   += sum_j (p_j + n_j)
+
+so prompt padding costs as prompt tokens and a finished member's padded decode row as a
+decode at its context (with its LM head); without padding rows nothing changes. The mixed-step
+term's D counts the requests' decodes only.
+
 Profiled (`ProfiledCost`): the step-time model `batchserve profile` fitted on this machine and
 this model (its JSON file), and a KV pool sized as the live engine sizes its own (CacheConfig).
 """
@@ -78,6 +89,20 @@ class StepShape:
 
     @staticmethod
     def of(batch: ScheduledBatch) -> "StepShape":
+        shape = StepShape._of_seqs(batch)
+        if not batch.padding:
+            return shape
+        t, smp, ctx, pairs = shape.num_tokens, shape.num_sampled, shape.context_tokens, shape.attn_pairs
+        for row in batch.padding:  # as sequences (module docstring, "Padding paid")
+            n, p = row.num_tokens, row.start_pos
+            t += n
+            ctx += p + n
+            pairs += n * (p + (n + 1) * 0.5)
+            smp += row.sample
+        return StepShape(t, shape.num_seqs + len(batch.padding), smp, ctx, pairs)
+
+    @staticmethod
+    def _of_seqs(batch: ScheduledBatch) -> "StepShape":
         seqs = batch.seqs
         if batch.num_tokens == len(seqs):  # one token a sequence (all decodes): p + 1 each, pairs = context
             ctx = sum(map(_start_pos, seqs)) + len(seqs)
@@ -157,7 +182,8 @@ class ProfiledCost:
     """Step times from a `batchserve profile` JSON file (this machine, this model).
 
     The profile's fitted model (see `core.latency.ProfiledLatencyModel`) is evaluated on the
-    step's own sequences: prompt chunks as (start, n), decodes by their context, so the
+    step's own sequences (and its paid padding rows, alike): prompt chunks as (start, n), decodes
+    by their context, so the
     per-sequence detail the scheduler produced is used, not just token and sequence counts.
     The KV pool is the one the live engine allocates for the same cache settings: `num_blocks`
     if given, else `kv_cache_gb` over the profile's bytes per token, else the profiled pool.
@@ -193,6 +219,11 @@ class ProfiledCost:
                 decode_ctx.append(s.start_pos)
             else:
                 prefills.append((s.start_pos, len(s.token_ids)))
+        for row in batch.padding:  # paid padding: a prompt chunk or a decode like any other
+            if row.num_tokens == 1 and row.start_pos > 0:
+                decode_ctx.append(row.start_pos)
+            else:
+                prefills.append((row.start_pos, row.num_tokens))
         x = self._features(prefills, decode_ctx, self.profile.row_knee)  # the profile's own regressors
         return max(0.0, sum(c * v for c, v in zip(self._coef, x)))
 

@@ -131,11 +131,14 @@ def format_summary(s: dict[str, Any], title: str = "") -> str:
     return "\n".join(lines)
 
 
-def padding_note(stats: dict[str, Any]) -> str:
-    """What a request-level policy's padding figure is: counted, never run or costed."""
-    return (f"padding: {100 * stats['padding_fraction']:.0f}% of a padded batch's tokens would be padding; "
-            "accounted only: the steps were simulated (and costed) unpadded, so the numbers above are better "
-            "than a padded implementation's")
+def padding_note(stats: dict[str, Any], paid: bool = False) -> str:
+    """What a request-level policy's padding figure is: counted only, or (`pay_padding`) also costed."""
+    share = f"padding: {100 * stats['padding_fraction']:.0f}% of a padded batch's tokens"
+    if paid:
+        return (f"{share} were padding; paid: every step was costed with the padding rows a padded engine "
+                "would compute (pay_padding)")
+    return (f"{share} would be padding; accounted only: the steps were simulated (and costed) unpadded, so the "
+            "numbers above are better than a padded implementation's (--pay-padding costs them)")
 
 
 def format_sweep(spec: SweepSpec, rows: list[dict[str, Any]], best: dict[str, Any] | None, slo_ms: float) -> str:
@@ -230,7 +233,7 @@ def run_cli(a: Any, config: EngineConfig) -> int:
     busy = res.busy_s / max(res.summary["duration_s"], 1e-9)
     print(f"[{res.num_steps} steps, GPU busy {100 * busy:.0f}%, simulated in {res.wall_s:.2f} s]", file=sys.stderr)
     if res.engine_stats.get("padding_tokens"):
-        print(padding_note(res.engine_stats))
+        print(padding_note(res.engine_stats, config.scheduler.pay_padding))
     if a.out:
         print(f"wrote {write_outputs(a.out, [(a.rate, res)], meta)} and the records, table and plots",
               file=sys.stderr)

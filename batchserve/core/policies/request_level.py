@@ -6,11 +6,20 @@ members' results are released together when the last one finishes (the seed's st
 Tokens of members still running stream as usual; what is held is each finished member's
 final output, so a caller sees every result of a batch at the same moment.
 
-Accounting, not computation, is request level: a padded implementation would run the batch
-as B rows of (longest prompt + longest output) tokens. The runner never pads; each step
-reports in `num_padding_tokens` the tokens such a padded batch would have wasted (prompt
-padding on the first step, one token per finished member on every later step), and
-`padding_tokens` / `useful_tokens` keep the running totals.
+Padding: a padded implementation would run the batch as B rows of (longest prompt + longest
+output) tokens. Each step reports in `num_padding_tokens` the tokens such a padded batch
+would have wasted (prompt padding on the first step, one token per finished member on every
+later step), and `padding_tokens` / `useful_tokens` keep the running totals. By default that
+is accounting only: the batch runs ragged. With `pay_padding` the same tokens are also put in
+the batch as `padding` rows (`PadRow`), so the step is charged (simulator) and computes
+(model runner) what a padded engine's would:
+- first step: member i with n_i tokens (prompt) of a batch whose longest is L gets a row of
+  L - n_i tokens at positions n_i .. L - 1 (right padding: attention over L positions);
+- every later step: a member that has finished, with m tokens then, gets a one-token decode
+  row at position m - 1 + k on the k-th step since (its row grows as a padded row would),
+  that runs the LM head too.
+What is not padded: the running members' own rows keep their own lengths, so their
+attention does not span the other rows' padding as a dense [B, L] kernel's would.
 
 Members reserve KV for their whole prompt + max_tokens when the batch forms, so a running
 batch never needs preemption (real static batching allocates the padded maximum too).
@@ -20,7 +29,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterable
 
 from batchserve.config import SchedulerConfig
-from batchserve.core.batch import ScheduledBatch
+from batchserve.core.batch import PadRow, ScheduledBatch
 from batchserve.core.policies.base import Policy
 from batchserve.request import Request, RequestStatus
 
@@ -39,6 +48,8 @@ class RequestLevelPolicy(Policy):
         self._member_ids: set[str] = set()
         self._held: list[Request] = []  # finished members whose results wait for the batch
         self._pending_padding = 0  # prompt padding, charged on the batch's first step
+        self._pending_rows: list[PadRow] = []  # the same as rows, with pay_padding
+        self._pad_pos: dict[str, int] = {}  # finished member -> its padded row's next position
         self.batch_start = 0.0
         self.useful_tokens = 0
         self.num_batches = 0
@@ -79,12 +90,21 @@ class RequestLevelPolicy(Policy):
         # members not admitted yet (the step budget ran out before them), in batch order
         b.admit((r for r in self.members if r.status is RequestStatus.WAITING and r.request_id in sched.requests))
         seqs = b.seqs
-        done = sum(1 for r in self.members if r.request_id not in sched.requests)
-        padding = self._pending_padding + (done if seqs else 0)
+        done = [r for r in self.members if r.request_id not in sched.requests] if seqs else []
+        padding = self._pending_padding + len(done)
         self._pending_padding = 0
         self.padding_tokens += padding
         self.useful_tokens += b.spent
-        return b.batch(num_padding_tokens=padding)
+        rows = None
+        if self.config.pay_padding:
+            rows, self._pending_rows = self._pending_rows, []
+            rows.extend(PadRow(self._next_pad_pos(r), 1, True) for r in done)
+        return b.batch(num_padding_tokens=padding, padding=rows)
+
+    def _next_pad_pos(self, r: Request) -> int:
+        pos = self._pad_pos.get(r.request_id, r.num_tokens - 1)
+        self._pad_pos[r.request_id] = pos + 1
+        return pos
 
     def release(self, sched: "Scheduler", finished: list[Request], now: float) -> list[Request]:
         out = []
@@ -95,7 +115,7 @@ class RequestLevelPolicy(Policy):
                 req.finish_time = now  # the caller gets the result when the batch ends
             out.extend(self._held)
             members = self.members
-            self.members, self._member_ids, self._held = [], set(), []
+            self.members, self._member_ids, self._held, self._pad_pos = [], set(), [], {}
             self.on_batch_end(sched, members, now)
         return out
 
@@ -122,6 +142,9 @@ class RequestLevelPolicy(Policy):
         if self.members:
             longest = max(r.num_tokens for r in self.members)
             self._pending_padding = sum(longest - r.num_tokens for r in self.members)
+            if self.config.pay_padding:
+                self._pending_rows = [PadRow(r.num_tokens, longest - r.num_tokens, False)
+                                      for r in self.members if r.num_tokens < longest]
             self.batch_start = now
             self.num_batches += 1
 
