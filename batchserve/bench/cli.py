@@ -16,17 +16,20 @@ import datetime
 import json
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from batchserve.bench.client import ClientConfig, run
 from batchserve.bench.metrics import SLO, parse_slo_args, summarize
-from batchserve.bench.report import RateRun, compare_reports, markdown_table, write_report
-from batchserve.bench.search import find_max_rate, search_line
 from batchserve.bench.traces import FORMATS as TRACE_FORMATS
 from batchserve.bench.traces import SAMPLES as TRACE_SAMPLES
 from batchserve.bench.workload import MIXES, class_slos, make_workload, mix_classes
+
+if TYPE_CHECKING:
+    from batchserve.bench.client import ClientConfig
+
+# The client (aiohttp), the report (matplotlib) and the search are imported by the commands that
+# use them: every `batchserve` command builds this subcommand's parser, `serve` included.
 
 
 def add_bench_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
@@ -110,6 +113,10 @@ def run_sweep(cfg: ClientConfig, workload: str, requests: int, rates: list[float
     rates are not swept: `find_max_rate` starts at rates[0], and the report's meta gets the
     search's probes and answer under "search". `trace_format` and `time_scale` are
     make_workload's, for a trace."""
+    from batchserve.bench.client import run
+    from batchserve.bench.report import RateRun, markdown_table, write_report
+    from batchserve.bench.search import find_max_rate, search_line
+
     runs: list[RateRun] = []
     model = cfg.model
     per_class = {**class_slos(mix_classes(workload)), **(class_slo or {})}
@@ -155,6 +162,8 @@ def sweep(a: argparse.Namespace) -> str:
     is_trace = a.workload not in MIXES
     rates = [float(r) for r in a.rates.split(",")] if a.rates else [0.0 if is_trace else 1.0]
     slo, class_slo = parse_slo_args(a.slo or [])
+    from batchserve.bench.client import ClientConfig
+
     cfg = ClientConfig(a.url, model=a.model, temperature=a.temperature, ignore_eos=not a.no_ignore_eos,
                        extensions=not a.no_extensions, request_timeout_s=a.timeout,
                        max_duration_s=a.max_duration, progress=not a.no_progress)
@@ -185,6 +194,8 @@ def check_args(a: argparse.Namespace) -> str | None:
 
 def cmd_bench(a: argparse.Namespace) -> int:
     if a.compare:
+        from batchserve.bench.report import compare_reports
+
         print(compare_reports(a.compare, a.out))
         print(f"wrote {os.path.join(a.out, 'compare.md')} and plots", file=sys.stderr)
         return 0
