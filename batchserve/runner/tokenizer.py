@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 CACHE_ENV = "BATCHSERVE_CACHE_DIR"
 META = "batchserve-tokenizer.json"  # written last: an entry without it is incomplete
-FORMAT = 1  # of what this module writes; a change makes earlier entries unused
+FORMAT = 2  # of what this module writes; a change makes earlier entries unused (2: default chat templates)
 
 
 def cache_dir() -> str:
@@ -93,11 +93,66 @@ def load_entry(entry: str) -> Any:
     return AutoTokenizer.from_pretrained(entry)
 
 
+# The chat template of an architecture whose GGUF files may carry none (llama.cpp's converter
+# copies one only when the source checkpoint has it): the format its models were trained on.
+# Gemma 3's is the template of Google's Hugging Face checkpoints, word for word.
+GEMMA3_CHAT_TEMPLATE = r"""{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\n'}}
+{%- endif -%}
+"""
+DEFAULT_CHAT_TEMPLATES = {"gemma3": GEMMA3_CHAT_TEMPLATE}
+
+
 def _convert(path: str) -> Any:
     from transformers import AutoTokenizer
 
     log.info("converting the tokenizer of %s (once; cached for later starts)", os.path.basename(path))
-    return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+    if getattr(tok, "chat_template", None) is None:
+        from batchserve.runner.gguf_file import read_gguf
+
+        template = DEFAULT_CHAT_TEMPLATES.get(read_gguf(path).fields.get("general.architecture"))
+        if template is not None:
+            log.info("%s carries no chat template; using its architecture's own", os.path.basename(path))
+            tok.chat_template = template
+    return tok
 
 
 def _write_entry(path: str, entry: str) -> None:
