@@ -58,7 +58,9 @@ def _fake_run(capacity: float):
 
 
 def test_bench_find_max_goodput_writes_the_search(tmp_path, monkeypatch):
-    monkeypatch.setattr(bench_cli, "run", _fake_run(capacity=20.0))
+    from batchserve.bench import client as bench_client
+
+    monkeypatch.setattr(bench_client, "run", _fake_run(capacity=20.0))  # run_sweep imports it on call
     cfg = ClientConfig("http://fake", progress=False)
     path = bench_cli.run_sweep(cfg, "chat", 300, [2.0], str(tmp_path), label="fake", plot=False,
                                slo=SLO(ttft_ms=500.0), search_target=0.95)
