@@ -12,7 +12,8 @@ project's open-loop client. Per system, in one run:
    2x its end-to-end P99 (so systems are compared on scheduling, not raw speed). The batchserve
    configurations are one engine: the first one's capacity and SLOs are used for the others (its
    P99 over ~40 requests is noisy, and a tighter or looser target would decide the comparison
-   between them), unless `--own-calibration`; every system then gets the same random draws;
+   between them), unless `--own-calibration`; `--calibration` gives them all fixed ones (to compare
+   two builds of the engine on one trace); every system then gets the same random draws;
 3. the flood: half capacity for 15 s, three times capacity for 10 s, half again for 15 s; 18 % high
    (priority 9, TTFT SLO and a hard deadline), 20 % mid (priority 5, a soft deadline), 62 % low
    (priority 1, none); random-token prompts of about 64 tokens, answers of about 48 (`ignore_eos`);
@@ -389,8 +390,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="append each flood request's outcome here; each server's log goes beside it")
     p.add_argument("--own-calibration", action="store_true",
                    help="calibrate each batchserve configuration on its own (default: the first one's)")
+    p.add_argument("--calibration", default=None, metavar="JSON",
+                   help='capacity and SLOs for every batchserve system, e.g. from an earlier run: '
+                        '{"capacity_rps": 10.6, "slo": {"ttft_ms": 305, "deadline_ms": 3436}}')
     a = p.parse_args(argv)
     results, calib = [], None
+    if a.calibration:
+        calib = {"calibrated_by": "--calibration", **json.loads(a.calibration)}
     for s in a.systems.split(","):
         r = mean_of([measure(s, a.seed + k, a.quick, a.vllm_venv, a.vllm_model_dir, a.sim,
                              a.sim_overhead_ms / 1000, None if s == "vllm" or a.own_calibration else calib,

@@ -277,6 +277,27 @@ def test_a_step_ceiling_cuts_less_important_prompts_instead_of_idling_their_seat
     assert started >= 2, "the less important prompts waited for the hard-deadline request to end"
 
 
+@pytest.mark.parametrize("deadline_ms, whole", [(1000, True), (100, False)])
+def test_an_equal_prompt_joins_whole_when_the_running_deadline_has_slack(make_fake_engine, deadline_ms, whole):
+    """A running hard-deadline request needs 40 steps of about 2 ms. An equal arrives with a
+    300-token prompt (a 17 ms step). With a second of deadline its slack covers that step many
+    times over: the equal's prompt runs in one step, so its first token is not spread over
+    many (a per-token share of the slack would cut it to chunks of about 100). With 100 ms
+    the slack is a few steps: the prompt is cut to chunks, and the running request keeps its
+    deadline either way."""
+    eng = make_fake_engine(num_blocks=512, executor=TokenCostExecutor(), max_num_batched_tokens=512)
+    t0 = warm(eng)
+    arrivals = [(t0, dict(prompt=[3] * 4, params=SamplingParams(max_tokens=40, ignore_eos=True), request_id="hd",
+                          priority=9, deadline_ms=deadline_ms, deadline_kind="hard")),
+                (t0 + 0.01, dict(prompt=[2] * 300, params=SamplingParams(max_tokens=4, ignore_eos=True),
+                                 request_id="eq", priority=9))]
+    done, steps = drive(eng, t0, arrivals)
+    assert done["hd"].finish_reason == "length" and done["hd"].finish_time <= t0 + deadline_ms / 1000
+    eq_steps = [s for s, ids in steps if "eq" in ids]
+    prompt_steps = len(eq_steps) - (len(done["eq"].token_ids) - 1)  # the steps before its first token
+    assert (prompt_steps == 1) == whole, prompt_steps
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_random_floods_never_keep_a_high_request_waiting_past_a_step(make_fake_engine, seed):
     """Random arrivals: a flood of long low-priority answers at about five times what four

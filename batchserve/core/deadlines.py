@@ -43,7 +43,11 @@ under the ceiling of the joining request's priority, cutting a prompt to what fi
 holding it back whole: the important are never slowed by the less important joining them.
 Equals share the steps (holding back an equal would trade its first token for the other's
 last): `equal_ceiling[p]`, what running requests of priority p can afford, cuts an equal's
-prompt chunk but never below a minimum chunk. One bound holds for equals too: no request joins
+prompt chunk but never below a minimum chunk. What they can afford an equal is larger than what
+they lend the less important: their own step plus a quarter of their whole slack (deadline, less
+now, less their predicted service with the queued prompts), not of their slack per token. An
+equal's prompt slows one step, once, and its first token counts as much as their last: cut to
+the per-token share, a prompt of a few hundred tokens takes many steps to its first token. One bound holds for equals too: no request joins
 a step predicted to end past the deadline of a running request of its priority or above, since
 that step would carry the other's last token late.
 
@@ -221,12 +225,14 @@ class DeadlineRules:
                 yield Truncate(req, req.num_output_tokens, True)
             else:
                 yield _miss(req, now, self.service(req, len(running), joining=True))
-        limits: list[float] | None = None
+        limits: list[float] | None = None  # by priority: the step those running can afford
+        equals: list[float] | None = None  # by priority: the step an equal joining them may make
         last: list[float] | None = None  # by priority: time left to the nearest running deadline
         tpot = self._tpot
         for req in [r for r in running if r.deadline_ms is not None or r.level in tpot] if tpot else \
                 [r for r in running if r.deadline_ms is not None]:
             lim = tpot.get(req.level, math.inf)  # type: ignore[arg-type]
+            eq_lim = lim
             if req.deadline_ms is not None:
                 hard = req.hard_deadline
                 up, eq = self._joining(req, waiting, len(running)) if hard else (0.0, 0.0)
@@ -236,11 +242,12 @@ class DeadlineRules:
                     if now + s < req.deadline:
                         afford = (req.deadline - now) / (req.max_tokens - req.num_output_tokens + 1)
                         lim = min(lim, own + _SLACK_SHARE * max(0.0, afford - own))
+                        eq_lim = min(eq_lim, own + _SLACK_SHARE * (req.deadline - now - s))
                     elif now + self.service(req, len(running), ahead=up) < req.deadline:
                         # the model's own steps plus what outranks it make it (its measured
                         # rate left out): protected, nothing less important joins and equals
                         # join in minimum chunks
-                        lim = min(lim, own)
+                        lim = eq_lim = min(lim, own)
                     else:
                         yield _miss(req, now, s)
                         continue
@@ -256,8 +263,12 @@ class DeadlineRules:
                 if limits is None:
                     limits = [math.inf] * (MAX_PRIORITY + 1)
                 limits[req.priority] = min(limits[req.priority], lim)
+            if eq_lim < math.inf:
+                if equals is None:
+                    equals = [math.inf] * (MAX_PRIORITY + 1)
+                equals[req.priority] = min(equals[req.priority], eq_lim)
         yield from self._share_seat(waiting, running, now)
-        self.equal_ceiling = limits or _NO_CEILING
+        self.equal_ceiling = equals or _NO_CEILING
         if limits is None and last is None:
             self.ceiling = _NO_CEILING
         else:

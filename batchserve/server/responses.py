@@ -18,7 +18,7 @@ _R = FinishReason
 # Every other reason (stop, length, deadline_truncated) is a 200. A missed hard deadline will be
 # missed again: x-should-retry tells the OpenAI SDKs not to resend it (they retry 5xx by default).
 FAILURES: dict[FinishReason, tuple[int, str, str, str, bool]] = {
-    _R.DEADLINE: (504, "the request's hard deadline was missed", "deadline_exceeded", "timeout_error", False),
+    _R.DEADLINE: (504, "the request's deadline was missed", "deadline_exceeded", "timeout_error", False),
     _R.REJECTED: (503, "the request was dropped from a full queue", "dropped", "overloaded_error", True),
     _R.ABORT: (503, "the request was aborted (server shutting down)", "aborted", "overloaded_error", True),
     _R.ERROR: (500, "generation failed", "model_error", "server_error", False),
