@@ -263,6 +263,7 @@ class RequestSpec:
     tenant: str | None = None
     constraint: Constraint | None = None
     tools: list[dict] | None = None  # for the chat template (function calling)
+    describe_tools: bool = False  # the model chooses whether to call: a template that renders no tools gets them as text
     group: str | None = None  # copies of one prompt: prefilled once (see the docstring)
     grammar: Any = field(default=None, repr=False, compare=False)
 

@@ -1,6 +1,6 @@
 """The clients users bring, unmodified, against a live server on the real model: LangChain's
 ChatOpenAI (invoke, stream, structured output by JSON schema and by function calling, a bound
-tool) and LiteLLM's completion (plain, streamed, JSON mode). Each test checks what the client
+tool named or left to the model) and LiteLLM's completion (plain, streamed, JSON mode). Each test checks what the client
 hands its caller (text, a parsed pydantic object, a tool call's name and arguments), since a
 client may accept a response the server shaped wrongly and fail only when it parses it.
 
@@ -148,6 +148,22 @@ def test_langchain_bound_tool_named_in_tool_choice_is_called(chat) -> None:
     assert call["name"] == "GetWeather" and call["id"], call
     assert call["args"]["unit"] in ("celsius", "fahrenheit") and call["args"]["city"].strip(), call
     GetWeather.model_validate(call["args"])
+
+
+def test_langchain_bound_tool_with_the_default_choice_is_called_or_answered(chat) -> None:
+    """bind_tools with no tool_choice sends none: OpenAI's "auto". The model answers in text or
+    calls the tool; either way LangChain hands over a clean message (no call it failed to parse),
+    and a call has arguments the tool's schema accepts."""
+    bound = chat(max_tokens=60).bind_tools([GetWeather])
+    for question in ("What is the weather in Paris, in celsius?", CAPITAL):
+        msg = bound.invoke(question)
+        assert not msg.invalid_tool_calls, msg
+        if msg.tool_calls:
+            (call,) = msg.tool_calls
+            assert call["name"] == "GetWeather" and msg.response_metadata["finish_reason"] == "tool_calls", msg
+            GetWeather.model_validate(call["args"])
+        else:
+            assert msg.content.strip() and not msg.content.startswith("<"), msg
 
 
 def test_litellm_plain_and_streamed(server, complete) -> None:

@@ -1,5 +1,6 @@
-"""Function calling: tools with tool_choice "required" or a named function, answered through
-structured outputs, in OpenAI's message and stream shapes; "auto" refused with a reason; earlier
+"""Function calling: tools with tool_choice "auto", "required" or a named function, answered
+through structured outputs, in OpenAI's message and stream shapes; tools described in a system
+message to a template that does not render them; earlier
 calls in the history kept for templates that know nothing of them. Model-free (a real
 byte-level tokenizer; the fake model samples within the grammar), and one real-model call."""
 from __future__ import annotations
@@ -10,7 +11,8 @@ import json
 import pytest
 from fake_server import MODEL, byte_tokenizer, fake_engine, serve_app
 
-from batchserve.server.tools import parse_tools
+from batchserve.engine.engine import tools_text
+from batchserve.server.tools import parse_tools, tool_message
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "the forecast",
@@ -84,9 +86,48 @@ def test_a_streamed_call_arrives_whole_before_the_finish() -> None:
     assert not any(d.get("content") for d in deltas)  # no arguments leak out as text
 
 
+def test_auto_holds_the_answer_to_prose_or_tagged_calls() -> None:
+    eng = fake_engine(tokenizer=byte_tokenizer())
+    call = '<tool_call>{"name": "get_weather", "arguments": {"unit": "c", "days": 3}}</tool_call>'
+    two = call + '\n<tool_call>{"name": "get_time", "arguments": {"zone": "utc"}}</tool_call>'
+    cases = [("It is sunny.", True, True), (call, True, True), (two, True, False),
+             ('<tool_call>{"name": "get_weather", "arguments": {"unit": "k", "days": 3}}</tool_call>', False, False),
+             ('<tool_call>{"name":"get_weather", "arguments": {"unit": "c", "days": 3}}</tool_call>', False, False),
+             ("<b>bold</b>", False, False)]
+    for parallel in (None, False):
+        _, calling = parse_tools({"tools": [WEATHER, TIME], "parallel_tool_calls": parallel})
+        for text, fits, fits_single in cases:
+            g = eng.compile(calling.constraint)
+            assert all(g.accept(b) for b in text.encode()) == (fits if parallel is None else fits_single), (text, parallel)
+    _, calling = parse_tools({"tools": [WEATHER, TIME], "tool_choice": "auto"})
+    message, finish = tool_message(calling, two, "stop")
+    assert finish == "tool_calls" and message["content"] is None and len(message["tool_calls"]) == 2
+    for c in message["tool_calls"]:
+        _args_ok(c)
+    assert tool_message(calling, "It is sunny.", "stop") == ({"role": "assistant", "content": "It is sunny."}, "stop")
+    assert tool_message(calling, call[:30], "length") == ({"role": "assistant", "content": call[:30]}, "length")
+
+
+def test_auto_over_http_answers_in_text_or_calls_and_shows_the_model_the_tools() -> None:
+    status, out = asyncio.run(_post({"tools": [WEATHER, TIME], "seed": 1}))
+    assert status == 200, out
+    choice = out["choices"][0]
+    if choice["message"].get("tool_calls"):
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+        for c in choice["message"]["tool_calls"]:
+            _args_ok(c)
+    else:  # prose, or a call cut by max_tokens: text either way
+        assert isinstance(choice["message"]["content"], str) and choice["finish_reason"] in ("stop", "length")
+    # the fake template renders no tools: they reach the model in a system message, not lost
+    _, plain = asyncio.run(_post({"max_tokens": 1}))
+    _, none = asyncio.run(_post({"tools": [WEATHER, TIME], "tool_choice": "none", "max_tokens": 1}))
+    extra = len(tools_text([WEATHER, TIME]).encode())
+    assert out["usage"]["prompt_tokens"] >= plain["usage"]["prompt_tokens"] + extra
+    assert none["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]  # none: no call, no tools shown
+
+
 @pytest.mark.parametrize("body, param", [
-    ({"tools": [WEATHER]}, "tool_choice"),  # auto, the default
-    ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice.function.name"),

@@ -65,18 +65,42 @@ def _template_messages(messages: list[dict], template: Any) -> list[dict]:
     return out
 
 
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"  # the tagged call form (server/tools.py)
+
+
+def tools_text(tools: list[dict]) -> str:
+    """The system text that tells a model whose chat template does not render tools what it may
+    call and in which form (the form a tool_choice of "auto" holds its answer to)."""
+    listed = json.dumps([t["function"] for t in tools], ensure_ascii=False)
+    return (f"You may call these functions: {listed}\nTo call one, answer with nothing but "
+            f'{TOOL_OPEN}{{"name": <function name>, "arguments": <its arguments as JSON>}}{TOOL_CLOSE}')
+
+
+def _with_system(messages: list[dict], text: str) -> list[dict]:
+    """`messages` with `text` at the end of their system message (a new one first if none)."""
+    if messages and messages[0].get("role") == "system":
+        first = messages[0]
+        return [{**first, "content": f"{first.get('content') or ''}\n\n{text}"}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
+
+
 def tokenize(tokenizer: Any | None, prompt: str | list[int] | None = None,
              messages: list[dict] | None = None, add_generation_prompt: bool = True,
-             tools: list[dict] | None = None) -> list[int]:
+             tools: list[dict] | None = None, describe_tools: bool = False) -> list[int]:
     """A prompt (text or token ids) or chat messages (through the chat template, with `tools`
     if given, opening the assistant's turn unless not `add_generation_prompt`) as token ids.
+    `describe_tools`: a template that does not render tools gets them in a system message (the
+    model is to choose whether to call one, so it must see them).
     Whatever the tokenizer or the template raises on an input is that input's fault: a
     RequestError naming the field (a 400), not an exception out of the server."""
     if messages is not None:
         if tokenizer is None:
             raise RequestError("messages", "this model has no tokenizer / chat template")
         try:
-            msgs = _template_messages(messages, getattr(tokenizer, "chat_template", None))
+            template = getattr(tokenizer, "chat_template", None)
+            msgs = _template_messages(messages, template)
+            if tools and describe_tools and not (isinstance(template, str) and "tools" in template):
+                msgs = _with_system(msgs, tools_text(tools))
             extra = {"tools": tools} if tools else {}
             out = tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tokenize=True,
                                                 **extra)
@@ -144,8 +168,8 @@ class LLMEngine:
 
     # --- intake -------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None,
-                 tools: list[dict] | None = None) -> list[int]:
-        return tokenize(self.tokenizer, prompt, messages, tools=tools)
+                 tools: list[dict] | None = None, describe_tools: bool = False) -> list[int]:
+        return tokenize(self.tokenizer, prompt, messages, tools=tools, describe_tools=describe_tools)
 
     def prepare(self, spec: RequestSpec) -> RequestSpec:
         """Tokenize a request and check it against the model and the cache: the spec with its
@@ -154,7 +178,7 @@ class LLMEngine:
         only what does not change while the engine runs (tokenizer, context length, cache
         size), so any thread may call it: a server does it off the engine thread."""
         where = "messages" if spec.messages is not None else "prompt"
-        ids = self.tokenize(spec.prompt, spec.messages, spec.tools)
+        ids = self.tokenize(spec.prompt, spec.messages, spec.tools, spec.describe_tools)
         if not ids:
             raise RequestError(where, "must not be empty")
         params = spec.params

@@ -475,7 +475,8 @@ def parse_generation(body: dict[str, Any], chat: bool, default_max_tokens: int =
         spec = RequestSpec(params, prompts[0], messages, priority=priority,
                            deadline_ms=body.get("deadline_ms"), deadline_kind=body.get("deadline_kind"),
                            auto_max_tokens=default_max_tokens if chat and max_tokens is None else None,
-                           tenant=body.get("user"), constraint=constraint, tools=tools)
+                           tenant=body.get("user"), constraint=constraint, tools=tools,
+                           describe_tools=calling is not None and calling.auto)
     except RequestError as e:
         raise bad(e.param, e.message) from None
     specs = tuple(spec if i == j == 0 else dataclasses.replace(spec, prompt=p, params=_child(params, j))

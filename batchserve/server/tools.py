@@ -7,12 +7,19 @@ structured outputs rather than by a model-specific parser.
         held to its function's schema (one item at most without parallel_tool_calls); a tool
         call per item, finish reason "tool_calls"
     tool_choice "none"  ->  plain text
-    tool_choice "auto" (the default with tools)  ->  refused: telling a call from prose needs a
-        parser for the model's own tool-call format, which this server does not have (vLLM
-        refuses it too unless started with one)
+    tool_choice "auto" (the default with tools)  ->  the model chooses: prose (not starting with
+        "<"), or one call (several with parallel_tool_calls) in the tagged form
 
-Either way the tools go to the chat template, so a model trained on tools sees them. An answer
-cut by max_tokens is not a complete call: it comes back as content, with finish reason "length".
+            <tool_call>{"name": f, "arguments": {...}}</tool_call>
+
+        each held to its function's schema, finish reason "tool_calls". The grammar holds the
+        answer to one of the two, so telling a call from prose needs no model-specific parser.
+
+The tools go to the chat template, so a model trained on tools sees them; under "auto", where
+the model must see them to choose, a template that does not render tools gets them, and the
+tagged form, in a system message instead (`engine.tools_text`),
+so that they are never dropped silently. An answer cut by max_tokens is not a complete call: it
+comes back as content, with finish reason "length".
 """
 from __future__ import annotations
 
@@ -22,11 +29,16 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from batchserve.engine.engine import TOOL_CLOSE as _CLOSE
+from batchserve.engine.engine import TOOL_OPEN as _OPEN
 from batchserve.request import Constraint
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _FUNCTION_FIELDS = frozenset({"name", "description", "parameters", "strict"})
 _ANY_OBJECT = {"type": "object"}
+_TAGGED = re.compile(re.escape(_OPEN) + r"(.*?)" + re.escape(_CLOSE), re.S)
+# JSON inside the grammar as the json constraint makes it (engine/structured.py): fixed separators
+_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class ToolError(ValueError):
@@ -40,15 +52,16 @@ class ToolError(ValueError):
 @dataclass(frozen=True)
 class ToolCalling:
     """How a request's answer becomes tool calls: `name` set, the arguments of that function;
-    None, a list of calls (`required`)."""
+    None, a list of calls (`required`); `auto`, prose or tagged calls."""
 
     name: str | None
     constraint: Constraint
+    auto: bool = False
 
 
 def parse_tools(body: dict) -> tuple[list[dict] | None, ToolCalling | None]:
     """(the tools for the chat template, how the answer is turned into calls) from a chat body;
-    (None, None) without tools or with tool_choice "none". Raises ToolError."""
+    (None, None) without tools or with tool_choice "none" (checked all the same). Raises ToolError."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
@@ -80,14 +93,17 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, ToolCalling | None]:
         if not isinstance(f.get("description", ""), str):
             raise ToolError(f"{where}.function.description", "must be a string")
         funcs[name] = params
-    if choice is None or choice == "auto":
-        raise ToolError("tool_choice", '"auto" needs a parser for this model\'s tool-call format, which this '
-                        'server does not have; use "required", name a function, or "none"')
     if choice == "none":
-        return tools, None
+        return None, None  # no call may be made: the template is not shown tools it may not use
+    items = [{"type": "object", "properties": {"name": {"const": n}, "arguments": p},
+              "required": ["name", "arguments"], "additionalProperties": False} for n, p in funcs.items()]
+    if choice is None or choice == "auto":
+        call = {**(items[0] if len(items) == 1 else {"anyOf": items}), "x-guidance": _JSON_STYLE}
+        tag = f'{json.dumps(_OPEN)} %json {json.dumps(call)} {json.dumps(_CLOSE)}'
+        calls = f'call: {tag}' + ("" if parallel is False else f' ("\\n" {tag})*')
+        grammar = f"start: call | prose\n{calls}\nprose: /(?s:([^<].*)?)/\n"
+        return tools, ToolCalling(None, Constraint("grammar", grammar, "tools"), auto=True)
     if choice == "required":
-        items = [{"type": "object", "properties": {"name": {"const": n}, "arguments": p},
-                  "required": ["name", "arguments"], "additionalProperties": False} for n, p in funcs.items()]
         schema = {"type": "array", "minItems": 1, "items": items[0] if len(items) == 1 else {"anyOf": items}}
         if parallel is False:
             schema["maxItems"] = 1
@@ -105,9 +121,15 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, ToolCalling | None]:
 
 
 def tool_calls(calling: ToolCalling, text: str) -> list[dict] | None:
-    """The calls an answer makes, OpenAI-shaped; None if it is not a complete call."""
+    """The calls an answer makes, OpenAI-shaped; None if it is not a complete call (or, under
+    `auto`, the model answered in prose)."""
     try:
-        value = json.loads(text)
+        if calling.auto:
+            if not text.startswith(_OPEN):
+                return None
+            value = [json.loads(body) for body in _TAGGED.findall(text)]
+        else:
+            value = json.loads(text)
     except ValueError:
         return None
     calls = [(calling.name, text)] if calling.name is not None else [
@@ -122,4 +144,5 @@ def tool_message(calling: ToolCalling, text: str, finish: str | None) -> tuple[d
     if calls is None:
         return {"role": "assistant", "content": text}, finish
     return {"role": "assistant", "content": None, "tool_calls": calls}, ("stop" if calling.name else "tool_calls")
+
 
