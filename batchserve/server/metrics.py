@@ -227,8 +227,9 @@ class ServerMetrics:
             if n > 1 and out.first_token_time is not None:
                 self.tpot.observe((out.finish_time - out.first_token_time) / (n - 1))
         log.info("request %s level=%s priority=%d prompt_tokens=%d completion_tokens=%d queue_ms=%s ttft_ms=%s "
-                 "e2e_ms=%s finish=%s%s", out.request_id, level, out.priority, len(out.prompt_token_ids), n,
-                 _ms(queue), _ms(ttft), _ms(e2e), reason, f" error={out.error!r}" if out.error else "")
+                 "e2e_ms=%s preempted=%d finish=%s%s", out.request_id, level, out.priority, len(out.prompt_token_ids),
+                 n, _ms(queue), _ms(ttft), _ms(e2e), out.num_preemptions, reason,
+                 f" error={out.error!r}" if out.error else "")
 
 
 def _ms(seconds: float | None) -> str:
