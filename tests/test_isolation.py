@@ -298,6 +298,33 @@ def test_an_equal_prompt_joins_whole_when_the_running_deadline_has_slack(make_fa
     assert (prompt_steps == 1) == whole, prompt_steps
 
 
+def test_a_long_soft_prompt_behind_a_step_ceiling_gets_its_seat_in_time(make_fake_engine):
+    """Three seats: a high request with a hard deadline (its slack lets less important prompts
+    add about 14 tokens a step) and two long soft-deadline answers. A soft request with a
+    300-token prompt and a 100 ms deadline queues: its prompt needs some 20 steps in chunks
+    under the ceiling, not the one step it would take alone, so a seat must be shared early
+    enough for that. It gets an answer by its deadline; the shortened answers too."""
+    eng = make_fake_engine(num_blocks=1024, executor=TokenCostExecutor(1024), max_num_seqs=3,
+                           max_num_batched_tokens=512)
+    t0 = warm(eng)
+    soft = dict(deadline_kind="soft", priority=5)
+    arrivals = [(t0, dict(prompt=[3] * 4, params=SamplingParams(max_tokens=200, ignore_eos=True), request_id="hd",
+                          priority=9, deadline_ms=1000, deadline_kind="hard")),
+                (t0, dict(prompt=[4] * 4, params=SamplingParams(max_tokens=500, ignore_eos=True), request_id="m0",
+                          deadline_ms=300, **soft)),
+                (t0, dict(prompt=[5] * 4, params=SamplingParams(max_tokens=500, ignore_eos=True), request_id="m1",
+                          deadline_ms=300, **soft)),
+                (t0 + 0.03, dict(prompt=[6] * 300, params=SamplingParams(max_tokens=50, ignore_eos=True),
+                                 request_id="late", deadline_ms=100, **soft))]
+    done, _ = drive(eng, t0, arrivals)
+    late = done["late"]
+    assert late.finish_reason == "deadline_truncated" and late.token_ids, late.error
+    assert late.finish_time <= late.arrival_time + 0.100 + 1e-9
+    assert done["hd"].finish_reason == "length" and done["hd"].finish_time <= t0 + 1.0
+    for m in ("m0", "m1"):
+        assert done[m].token_ids and done[m].finish_time <= t0 + 0.300 + 1e-9
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_random_floods_never_keep_a_high_request_waiting_past_a_step(make_fake_engine, seed):
     """Random arrivals: a flood of long low-priority answers at about five times what four

@@ -14,7 +14,9 @@ finish reason `deadline` (an error saying so), never with silence; one that has 
 preempted after its first) ends with them, `deadline_truncated`, when its deadline passes in the
 queue. Seats are shared among soft deadlines: when every seat is taken and the queue's head is
 a soft-deadline request that would start too late for `soft_share_tokens` tokens by its
-deadline (and no seat frees in time by itself), the running soft-deadline request of no higher
+deadline (its prompt counted in the chunks the step ceiling of its priority lets in, since a
+long prompt behind more important requests takes many steps to its first token; and no seat
+frees in time by itself), the running soft-deadline request of no higher
 priority with the most tokens (at least `soft_share_tokens`) ends now, shortened, and the head
 takes its seat: under overload two shortened answers arrive on time instead of one long answer
 and one error. This is the soft deadline's own contract (a shorter answer, on time) applied to
@@ -296,7 +298,7 @@ class DeadlineRules:
         step = self._steps.predict_step(n, n)
         if step <= 0:
             return
-        first = service_time(self._steps, head.num_tokens - head.num_computed_tokens, 1, n, cfg.max_num_batched_tokens)
+        first = self._first_token(head, n)
         latest = head.deadline - first - keep * step
         if now + 2 * step < latest or now + first + step >= head.deadline:
             return  # not yet (another look next step), or too late for even one token
@@ -307,6 +309,30 @@ class DeadlineRules:
         if victims:
             v = max(victims, key=lambda r: (r.num_output_tokens, -r.arrival_time))
             yield Truncate(v, v.num_output_tokens, True)
+
+    def _first_token(self, req: Request, num_running: int) -> float:
+        """Predicted seconds to the first token of queued `req` if it started now: its prompt
+        in one step, or, when the step ceiling its priority meets (set by the last look at the
+        running requests) cuts it, in as many steps as it takes chunks of what one step within
+        the ceiling holds beside the running decodes (inf: not one token of it fits)."""
+        left = req.num_tokens - req.num_computed_tokens
+        plain = service_time(self._steps, left, 1, num_running, self.config.max_num_batched_tokens)
+        limit = self.ceiling[req.priority]
+        if limit == math.inf or left <= 1:
+            return plain
+        predict, seqs = self._steps.predict_step, num_running + 1
+        lo, hi = 0, left  # the most prompt tokens a step within the ceiling takes
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if predict(num_running + mid, seqs) <= limit:
+                lo = mid
+            else:
+                hi = mid - 1
+        if lo == 0:
+            return math.inf
+        if lo >= left:
+            return plain
+        return max(plain, math.ceil(left / lo) * predict(num_running + lo, seqs))
 
     def after_step(self, req: Request, end: float) -> Miss | None:
         """A hard-deadline request whose step ended after its deadline: its result is too late."""
