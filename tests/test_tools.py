@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace
 
 import pytest
 from fake_server import MODEL, byte_tokenizer, fake_engine, serve_app
 
 from batchserve.engine.engine import tools_text
+from batchserve.server.responses import ChunkWriter
 from batchserve.server.tools import parse_tools, tool_message
 
 WEATHER = {"type": "function", "function": {
@@ -124,6 +126,32 @@ def test_auto_over_http_answers_in_text_or_calls_and_shows_the_model_the_tools()
     extra = len(tools_text([WEATHER, TIME]).encode())
     assert out["usage"]["prompt_tokens"] >= plain["usage"]["prompt_tokens"] + extra
     assert none["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]  # none: no call, no tools shown
+
+
+def test_an_auto_answer_in_prose_streams_as_it_comes() -> None:
+    """Under auto, once the answer has started in prose (a call can only start with "<") its
+    text streams chunk by chunk, the same text as unstreamed with the same seed."""
+    for seed in range(3):
+        body = {"tools": [WEATHER, TIME], "seed": seed, "max_tokens": 12}
+        _, whole = asyncio.run(_post(body))
+        status, chunks = asyncio.run(_post({**body, "stream": True}))
+        assert status == 200
+        message = whole["choices"][0]["message"]
+        deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+        if message.get("tool_calls"):
+            assert [d["tool_calls"] for d in deltas if "tool_calls" in d][0][0]["function"] == \
+                message["tool_calls"][0]["function"]
+            continue
+        pieces = [d["content"] for d in deltas if d.get("content")]
+        assert "".join(pieces) == message["content"], (seed, pieces, message)
+        assert chunks[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    # piece by piece (the fake engine is fast enough to finish before the stream is read, so
+    # the writer is fed by hand): prose goes out at once, a call only when complete
+    _, calling = parse_tools({"tools": [WEATHER]})
+    for first, shown in (("It is", True), ("<tool_", False)):
+        w = ChunkWriter("r", 0, MODEL, chat=True, include_usage=False, tool_calling=calling)
+        out = SimpleNamespace(text=first, new_text=first, new_logprobs=None, finished=False)
+        assert (json.dumps(first).encode() in w.write(out)) == shown
 
 
 @pytest.mark.parametrize("body, param", [

@@ -211,10 +211,15 @@ class ChunkWriter:
             return {"index": self.index, "delta": delta, "logprobs": lp, **reason}
         return {"index": self.index, "text": text or "", "logprobs": lp, **reason}
 
+    def _prose(self, out: RequestOutput) -> bool:
+        """Whether a tool_choice "auto" answer has turned out to be prose (its grammar lets a
+        call, and only a call, start with "<"): then it streams as text, not held for the end."""
+        return self.tool_calling is not None and self.tool_calling.auto and out.text[:1] not in ("", "<")
+
     def _text(self, out: RequestOutput) -> bytes:
         """The chunk with this output's new text (and its tokens' logprobs), or nothing."""
-        if self.tool_calling is not None:
-            return b""  # the calls go out whole at the end (_tool_chunks)
+        if self.tool_calling is not None and not self._prose(out):
+            return b""  # the calls go out whole at the end (write)
         if out.new_logprobs:
             return self._chunk(self._choice(out.new_text, None, out.new_logprobs))
         return self._delta(out.new_text) if out.new_text else b""
@@ -236,7 +241,7 @@ class ChunkWriter:
             parts.append(self._text(out))
             parts.append(sse({**err.body(), "status_code": err.status}))
             return b"".join(parts) + SSE_DONE  # (the end of the whole stream, whatever `last`)
-        if self.chat and self.tool_calling is not None:
+        if self.chat and self.tool_calling is not None and not self._prose(out):
             message, reason = tool_message(self.tool_calling, out.text, finish_fields(out.finish_reason)["finish_reason"])
             delta = ({"tool_calls": [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]}
                      if "tool_calls" in message else {"content": message["content"]})

@@ -19,7 +19,8 @@ The tools go to the chat template, so a model trained on tools sees them; under 
 the model must see them to choose, a template that does not render tools gets them, and the
 tagged form, in a system message instead (`engine.tools_text`),
 so that they are never dropped silently. An answer cut by max_tokens is not a complete call: it
-comes back as content, with finish reason "length".
+comes back as content, with finish reason "length". Streamed, calls go out whole once complete;
+an "auto" answer that has started in prose streams as text.
 """
 from __future__ import annotations
 
