@@ -264,6 +264,7 @@ class RequestSpec:
     constraint: Constraint | None = None
     tools: list[dict] | None = None  # for the chat template (function calling)
     describe_tools: bool = False  # the model chooses whether to call: a template that renders no tools gets them as text
+    template_options: dict[str, Any] | None = None  # chat template: add_generation_prompt, continue_final_message, variables
     group: str | None = None  # copies of one prompt: prefilled once (see the docstring)
     grammar: Any = field(default=None, repr=False, compare=False)
 

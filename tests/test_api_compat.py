@@ -121,3 +121,39 @@ def test_missed_hard_deadline_is_a_504_the_sdk_will_not_retry() -> None:
     r, body = asyncio.run(_deadline(ServerConfig(), "hard"))
     assert r.status_code == 504 and body["error"]["code"] == "deadline_exceeded"
     assert r.headers["x-should-retry"] == "false" and "retry-after" not in r.headers
+
+
+def test_vllm_chat_template_fields_shape_the_prompt() -> None:
+    """add_generation_prompt, continue_final_message and chat_template_kwargs reach the model's
+    template (seen in the prompt's length: one token per byte); bad combinations are 400s."""
+    from fake_server import byte_tokenizer
+
+    tok = byte_tokenizer()
+    tok.chat_template = ("{{ note or '' }}{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+                         "{% if not (continue_final_message and loop.last) %}</>{% endif %}{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+    async def post(**extra):
+        async with serve_app(fake_engine(tokenizer=tok)) as (client, _):
+            r = await client.post("/v1/chat/completions", json={
+                "model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}], **extra})
+            return r.status_code, r.json()
+
+    def prompt_tokens(**extra) -> int:
+        status, out = asyncio.run(post(**extra))
+        assert status == 200, out
+        return out["usage"]["prompt_tokens"]
+
+    base = prompt_tokens()
+    assert base == len("<user>hi</><assistant>")
+    assert prompt_tokens(add_generation_prompt=False) == base - len("<assistant>")
+    assert prompt_tokens(chat_template_kwargs={"note": "xyz"}) == base + 3
+    cont = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Par"}]
+    assert prompt_tokens(messages=cont, continue_final_message=True) == len("<user>hi</><assistant>Par")
+    for extra, param in ((dict(messages=cont, continue_final_message=True, add_generation_prompt=True),
+                          "continue_final_message"),
+                         (dict(continue_final_message=True), "continue_final_message"),  # last is the user's
+                         (dict(chat_template_kwargs={"messages": []}), "chat_template_kwargs"),
+                         (dict(chat_template_kwargs=["x"]), "chat_template_kwargs")):
+        status, out = asyncio.run(post(**extra))
+        assert status == 400 and out["error"]["param"] == param, out

@@ -165,6 +165,27 @@ def test_an_unwritable_cache_still_gives_the_tokenizer(tmp_path, monkeypatch):
     assert not isinstance(tok, FastTokenizer) and tok.encode(" the", add_special_tokens=False) == [261]
 
 
+def test_template_variables_and_a_continued_final_message_render_as_transformers_does(tmp_path, cache):
+    """vLLM's chat_template_kwargs and continue_final_message, rendered without transformers,
+    give the ids transformers gives."""
+    template = TEMPLATE.replace("{% if add_generation_prompt %}",
+                                "{% if add_generation_prompt %}{% if thinking is defined and not thinking %}"
+                                "<think></think>{% endif %}")
+    path = write_tokenizer_gguf(tmp_path / "m.gguf", template)
+    tok = gguf_tokenizer(path)
+    assert isinstance(tok, FastTokenizer)
+    open_turn = [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "the a "}]
+    cases = [(CHATS[0], dict(add_generation_prompt=True, thinking=False)),
+             (CHATS[0], dict(add_generation_prompt=True, thinking=True)),
+             (open_turn, dict(continue_final_message=True))]
+    mine = [tok.apply_chat_template(c, tokenize=False, **kw) for c, kw in cases]
+    assert tok._hf is None  # rendered without transformers
+    ref = _reference(path)
+    assert mine == [ref.apply_chat_template(c, tokenize=False, **kw) for c, kw in cases]
+    assert "<think></think>" in mine[0] and "<think>" not in mine[1]
+    assert mine[2].endswith("the a ") and "<|im_end|>" not in mine[2].split("assistant")[-1]
+
+
 def test_the_rest_goes_to_the_transformers_tokenizer_loaded_on_first_need(tmp_path, cache):
     path = write_tokenizer_gguf(tmp_path / "m.gguf")
     tok = gguf_tokenizer(path)

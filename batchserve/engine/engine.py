@@ -86,9 +86,12 @@ def _with_system(messages: list[dict], text: str) -> list[dict]:
 
 def tokenize(tokenizer: Any | None, prompt: str | list[int] | None = None,
              messages: list[dict] | None = None, add_generation_prompt: bool = True,
-             tools: list[dict] | None = None, describe_tools: bool = False) -> list[int]:
+             tools: list[dict] | None = None, describe_tools: bool = False,
+             template_options: dict[str, Any] | None = None) -> list[int]:
     """A prompt (text or token ids) or chat messages (through the chat template, with `tools`
     if given, opening the assistant's turn unless not `add_generation_prompt`) as token ids.
+    `template_options`: add_generation_prompt, continue_final_message and template variables,
+    as vLLM's request fields give them (they win over `add_generation_prompt`).
     `describe_tools`: a template that does not render tools gets them in a system message (the
     model is to choose whether to call one, so it must see them).
     Whatever the tokenizer or the template raises on an input is that input's fault: a
@@ -101,9 +104,11 @@ def tokenize(tokenizer: Any | None, prompt: str | list[int] | None = None,
             msgs = _template_messages(messages, template)
             if tools and describe_tools and not (isinstance(template, str) and "tools" in template):
                 msgs = _with_system(msgs, tools_text(tools))
-            extra = {"tools": tools} if tools else {}
+            extra: dict[str, Any] = {"tools": tools} if tools else {}
+            opts = dict(template_options or {})
+            add_generation_prompt = opts.pop("add_generation_prompt", add_generation_prompt)
             out = tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                                **extra)
+                                                **extra, **opts)
         except Exception as e:  # noqa: BLE001 - e.g. a template that refuses this order of roles
             raise RequestError("messages", f"cannot be put through the chat template ({type(e).__name__})") from None
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
@@ -168,8 +173,10 @@ class LLMEngine:
 
     # --- intake -------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None,
-                 tools: list[dict] | None = None, describe_tools: bool = False) -> list[int]:
-        return tokenize(self.tokenizer, prompt, messages, tools=tools, describe_tools=describe_tools)
+                 tools: list[dict] | None = None, describe_tools: bool = False,
+                 template_options: dict[str, Any] | None = None) -> list[int]:
+        return tokenize(self.tokenizer, prompt, messages, tools=tools, describe_tools=describe_tools,
+                        template_options=template_options)
 
     def prepare(self, spec: RequestSpec) -> RequestSpec:
         """Tokenize a request and check it against the model and the cache: the spec with its
@@ -178,7 +185,7 @@ class LLMEngine:
         only what does not change while the engine runs (tokenizer, context length, cache
         size), so any thread may call it: a server does it off the engine thread."""
         where = "messages" if spec.messages is not None else "prompt"
-        ids = self.tokenize(spec.prompt, spec.messages, spec.tools, spec.describe_tools)
+        ids = self.tokenize(spec.prompt, spec.messages, spec.tools, spec.describe_tools, spec.template_options)
         if not ids:
             raise RequestError(where, "must not be empty")
         params = spec.params

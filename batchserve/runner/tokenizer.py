@@ -324,20 +324,34 @@ class FastTokenizer:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, conversation: Any, tools: list | None = None, add_generation_prompt: bool = False,
-                            tokenize: bool = True, return_dict: bool = True, **kwargs: Any) -> Any:
+                            tokenize: bool = True, return_dict: bool = True, continue_final_message: bool = False,
+                            **kwargs: Any) -> Any:
         """transformers' apply_chat_template for one conversation of plain dicts and tools given
-        as JSON schemas; anything else (batches, documents, masks, template variables) is
-        handed to transformers."""
+        as JSON schemas, `kwargs` being template variables; anything else (batches, documents,
+        masks) is handed to transformers. `continue_final_message`: the text ends with the last
+        message's content, its turn left open for the model to continue."""
         plain = (isinstance(conversation, list) and all(type(m) is dict for m in conversation)
-                 and (tools is None or all(type(t) is dict for t in tools)) and self.chat_template is not None)
-        if kwargs or not plain:
+                 and (tools is None or all(type(t) is dict for t in tools)) and self.chat_template is not None
+                 and not set(kwargs) & _HF_ONLY)
+        if not plain:
             return self.hf.apply_chat_template(conversation, tools=tools, add_generation_prompt=add_generation_prompt,
-                                               tokenize=tokenize, return_dict=return_dict, **kwargs)
+                                               tokenize=tokenize, return_dict=return_dict,
+                                               continue_final_message=continue_final_message, **kwargs)
         if not conversation:
             raise ValueError("Cannot apply chat template to an empty conversation. Provide at least one message.")
         messages = [_aliased({k: v for k, v in m.items() if v is not None}) for m in conversation]
+        variables = {**self.special_tokens_map, **kwargs}
         text = self._compiled().render(messages=messages, tools=tools, documents=None,
-                                       add_generation_prompt=add_generation_prompt, **self.special_tokens_map)
+                                       add_generation_prompt=add_generation_prompt, **variables)
+        if continue_final_message:  # cut after the content as rendered (whole, else stripped)
+            last = messages[-1].get("content")
+            for piece in (last, last.strip()) if isinstance(last, str) and last.strip() else ():
+                end = text.rfind(piece)
+                if end >= 0:
+                    text = text[:end + len(piece)]
+                    break
+            else:
+                raise ValueError("continue_final_message: the final message's content is not in the rendered text")
         if not tokenize:
             return text
         ids = self._tokenizer.encode(text, add_special_tokens=False).ids
@@ -351,6 +365,9 @@ class FastTokenizer:
 
 
 _REASONING = ("reasoning_content", "thinking", "reasoning")
+# apply_chat_template arguments that are not template variables: transformers handles them
+_HF_ONLY = frozenset({"documents", "return_tensors", "padding", "truncation", "max_length", "return_assistant_tokens_mask",
+                      "chat_template", "tokenizer_kwargs"})
 
 
 def _aliased(message: dict) -> dict:

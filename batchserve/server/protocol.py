@@ -200,6 +200,38 @@ def _bool(body: dict, name: str, where: str | None = None) -> bool | None:
     return v
 
 
+# chat_template_kwargs may not set what the server passes the template itself
+_TEMPLATE_OWN = frozenset({"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+                           "tokenize", "return_dict", "chat_template"})
+
+
+def _template_options(body: dict, messages: list[dict]) -> dict[str, Any] | None:
+    """vLLM's chat template fields: add_generation_prompt, continue_final_message (the last
+    message, the assistant's, is left open for the model to continue) and chat_template_kwargs
+    (template variables, e.g. enable_thinking); None when all are at their defaults."""
+    add = _bool(body, "add_generation_prompt")
+    cont = _bool(body, "continue_final_message")
+    kw = body.get("chat_template_kwargs")
+    if kw is not None and (not isinstance(kw, dict) or not all(isinstance(k, str) and k for k in kw)):
+        raise bad("chat_template_kwargs", f"must be an object of template variables, got {_show(kw)}")
+    if kw and set(kw) & _TEMPLATE_OWN:
+        raise bad("chat_template_kwargs", f"cannot set {sorted(set(kw) & _TEMPLATE_OWN)}: they are request fields "
+                  "or the server's own")
+    if cont:
+        if add:
+            raise bad("continue_final_message", "cannot be combined with add_generation_prompt: true",
+                      code="conflicting_parameters")
+        if messages[-1].get("role") != "assistant" or not isinstance(messages[-1].get("content"), str) \
+                or not messages[-1]["content"].strip():
+            raise bad("continue_final_message", "needs the last message to be the assistant's, with text to continue")
+    opts: dict[str, Any] = dict(kw or {})
+    if add is False or cont:
+        opts["add_generation_prompt"] = False
+    if cont:
+        opts["continue_final_message"] = True
+    return opts or None
+
+
 def _prompts(body: dict) -> list[str | list[int]]:
     """The prompts of a completions body: a string, token ids, or a list of either."""
     p = body.get("prompt")
@@ -408,9 +440,10 @@ def parse_generation(body: dict[str, Any], chat: bool, default_max_tokens: int =
         raise bad("model", "is required and must be a string" if model is None else f"must be a string, got {_show(model)}")
     for spec in _LIMITED[chat]:
         _refuse_unsupported(body, spec)
-    prompts, messages = [None], None
+    prompts, messages, template = [None], None, None
     if chat:
         messages = _messages(body, lenient)
+        template = _template_options(body, messages)
         max_tokens = _int(body, "max_completion_tokens", lo=1)
         max_tokens = _int(body, "max_tokens", lo=1) if max_tokens is None else max_tokens
     else:
@@ -476,7 +509,7 @@ def parse_generation(body: dict[str, Any], chat: bool, default_max_tokens: int =
                            deadline_ms=body.get("deadline_ms"), deadline_kind=body.get("deadline_kind"),
                            auto_max_tokens=default_max_tokens if chat and max_tokens is None else None,
                            tenant=body.get("user"), constraint=constraint, tools=tools,
-                           describe_tools=calling is not None and calling.auto)
+                           describe_tools=calling is not None and calling.auto, template_options=template)
     except RequestError as e:
         raise bad(e.param, e.message) from None
     specs = tuple(spec if i == j == 0 else dataclasses.replace(spec, prompt=p, params=_child(params, j))
