@@ -19,6 +19,7 @@ import math
 from typing import TYPE_CHECKING, Callable, Iterable
 
 from batchserve.core.batch import PadRow, ScheduledBatch, ScheduledSeq
+from batchserve.core.latency import most_tokens
 from batchserve.request import MAX_PRIORITY, Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -265,19 +266,7 @@ class StepBuilder:
 
     def _most(self, n: int, base: int, seqs: int, limit: float) -> int:
         """The most of `n` tokens on top of `base` in a step of `seqs` predicted within `limit`."""
-        predict = self.sched.latency.predict_step
-        if limit == math.inf or predict(base + n, seqs) <= limit:
-            return n
-        if predict(base + 1, seqs) > limit:
-            return 0
-        lo, hi = 1, n  # predict(lo) fits, predict(hi) does not
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if predict(base + mid, seqs) <= limit:
-                lo = mid
-            else:
-                hi = mid
-        return lo
+        return most_tokens(self.sched.latency, n, base, seqs, limit)
 
     def _make_room(self, req: Request, seat: bool = False) -> bool:
         """Preempt the running request that `req` outranks by the priority gap (see

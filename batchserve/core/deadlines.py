@@ -49,8 +49,8 @@ prompt chunk but never below a minimum chunk. What they can afford an equal is l
 they lend the less important: their own step plus a quarter of their whole slack (deadline, less
 now, less their predicted service with the queued prompts), not of their slack per token. An
 equal's prompt slows one step, once, and its first token counts as much as their last: cut to
-the per-token share, a prompt of a few hundred tokens takes many steps to its first token. One bound holds for equals too: no request joins
-a step predicted to end past the deadline of a running request of its priority or above, since
+the per-token share, a prompt of a few hundred tokens takes many steps to its first token.
+One bound holds for equals too: no request joins a step predicted to end past the deadline of a running request of its priority or above, since
 that step would carry the other's last token late.
 
 Predictions assume a request runs to its max_tokens, and they are 0.0 until the latency
@@ -66,7 +66,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from batchserve.config import QueueConfig, SchedulerConfig
-from batchserve.core.latency import LatencyModel, service_time, tokens_within
+from batchserve.core.latency import LatencyModel, most_tokens, service_time, tokens_within
 from batchserve.core.queue import AdmissionQueue
 from batchserve.request import MAX_PRIORITY, Request, RequestStatus
 
@@ -320,19 +320,13 @@ class DeadlineRules:
         limit = self.ceiling[req.priority]
         if limit == math.inf or left <= 1:
             return plain
-        predict, seqs = self._steps.predict_step, num_running + 1
-        lo, hi = 0, left  # the most prompt tokens a step within the ceiling takes
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if predict(num_running + mid, seqs) <= limit:
-                lo = mid
-            else:
-                hi = mid - 1
-        if lo == 0:
+        seqs = num_running + 1
+        chunk = most_tokens(self._steps, left, num_running, seqs, limit)
+        if chunk == 0:
             return math.inf
-        if lo >= left:
+        if chunk >= left:
             return plain
-        return max(plain, math.ceil(left / lo) * predict(num_running + lo, seqs))
+        return max(plain, math.ceil(left / chunk) * self._steps.predict_step(num_running + chunk, seqs))
 
     def after_step(self, req: Request, end: float) -> Miss | None:
         """A hard-deadline request whose step ended after its deadline: its result is too late."""

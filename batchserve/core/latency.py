@@ -143,6 +143,23 @@ def service_time(model: LatencyModel, compute_left: int, out_left: int, batch_se
     return first + (out_left - 1) * model.predict_step(b, b)
 
 
+def most_tokens(model: LatencyModel, n: int, base: int, seqs: int, limit: float) -> int:
+    """The most of `n` tokens on top of `base` in a step of `seqs` predicted within `limit`."""
+    predict = model.predict_step
+    if limit == math.inf or predict(base + n, seqs) <= limit:
+        return n
+    if predict(base + 1, seqs) > limit:
+        return 0
+    lo, hi = 1, n  # predict(lo) fits, predict(hi) does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if predict(base + mid, seqs) <= limit:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 def tokens_within(model: LatencyModel, seconds: float, compute_left: int, batch_seqs: int,
                   token_budget: int) -> int | None:
     """How many more tokens a request can produce in `seconds` (None: no limit predicted)."""
