@@ -50,8 +50,8 @@ they lend the less important: their own step plus a quarter of their whole slack
 now, less their predicted service with the queued prompts), not of their slack per token. An
 equal's prompt slows one step, once, and its first token counts as much as their last: cut to
 the per-token share, a prompt of a few hundred tokens takes many steps to its first token.
-One bound holds for equals too: no request joins a step predicted to end past the deadline of a running request of its priority or above, since
-that step would carry the other's last token late.
+One bound holds for equals too: no request joins a step predicted to end past the deadline of a
+running request of its priority or above, since that step would carry the other's last token late.
 
 Predictions assume a request runs to its max_tokens, and they are 0.0 until the latency
 model has seen enough steps or one step has been measured, so until then only deadlines
