@@ -180,7 +180,8 @@ def test_running_outputs_read_as_snapshots(make_fake_engine):
     # the earlier outputs still say what they said when they were made
     assert (o1.new_token_ids, o1.finished, o1.finish_reason, o1.finish_time) == ([6], False, None, None)
     assert o2.new_token_ids == [7] and o2.first_token_time == 0.01 and o2.arrival_time == 0.0
-    plain = RequestOutput("a", [1, 2, 3], [6, 7, 8], [7], False, None, "", "", None, 0.0, 0.0, 0.01, None, 5, 0)
+    plain = RequestOutput("a", [1, 2, 3], [6, 7, 8], [7], False, None, "", "", None, 0.0, 0.0, 0.01, None, 5, 0,
+                          level="default")
     assert o2 == plain and plain == o2
     copy = pickle.loads(pickle.dumps(o2))
     assert type(copy) is RequestOutput and copy == plain

@@ -70,3 +70,58 @@ def test_a_tenant_that_arrives_late_is_not_owed_the_service_others_got_meanwhile
     alone, _ = ttft_p99(0.0, duration=20.0)
     late, _ = ttft_p99(40.0, duration=20.0, heavy_from=10.0)
     assert late["light"] <= 1.2 * alone["light"], (late, alone)
+
+
+def _heavy_then_light(seats: int = 8, deadline_ms: float | None = None, **sched):
+    """The heavy tenant runs 4 long requests; the light one, served once before, sends one more
+    at t = 1 s. Returns (the engine, the light request's id, the heavy requests' ids)."""
+    cfg = EngineConfig(cache=CacheConfig(block_size=16, num_blocks=4096),
+                       scheduler=SchedulerConfig(max_num_seqs=seats, **sched))
+    eng = LLMEngine(cfg, FakeExecutor(4096, step_time=0.01), clock=SimClock())
+    eng.add_request([1] * 16, SamplingParams(max_tokens=16, ignore_eos=True), now=0.0, tenant="light")
+    heavy = [eng.add_request([1] * 16, SamplingParams(max_tokens=300, ignore_eos=True), now=0.0, tenant="heavy",
+                             deadline_ms=deadline_ms if i == 0 else None).request_id for i in range(4)]
+    t = 0.0
+    while t < 1.0:
+        eng.step(now=t)
+        t += 0.01
+    light = eng.add_request([2] * 16, SamplingParams(max_tokens=16, ignore_eos=True), now=t, tenant="light")
+    while eng.has_unfinished:
+        step = eng.step(now=t)
+        assert step.ran is not None  # every step does work: a heavy request never waits in vain
+        for o in step.outputs:
+            assert not o.finished or o.finish_reason == "length"
+        t += 0.01
+    eng.kv.check_all_free()
+    return eng, light.request_id, heavy
+
+
+def _step_of_first_token(eng, rid: str) -> int:
+    return next(i for i, b in enumerate(eng.executor.batches) if any(s.request_id == rid for s in b.seqs))
+
+
+def test_a_tenant_served_less_has_its_first_token_step_to_itself():
+    """The light request's prompt runs in a step without the heavy tenant's decodes (it costs
+    what it would alone); the heavy requests sit out that one step and no other."""
+    eng, light, heavy = _heavy_then_light()
+    i = _step_of_first_token(eng, light)
+    ids = lambda b: {s.request_id for s in b.seqs}
+    assert ids(eng.executor.batches[i]) == {light}
+    assert set(heavy) <= ids(eng.executor.batches[i - 1]) and set(heavy) <= ids(eng.executor.batches[i + 1])
+    with_heavy = [set(heavy) <= ids(b) for b in eng.executor.batches]
+    last = len(with_heavy) - 1 - with_heavy[::-1].index(True)
+    assert with_heavy[:last + 1].count(False) == 1  # the one step it sat out
+
+
+def test_a_request_with_a_deadline_does_not_sit_out():
+    eng, light, heavy = _heavy_then_light(deadline_ms=60_000.0)
+    ids = {s.request_id for s in eng.executor.batches[_step_of_first_token(eng, light)].seqs}
+    assert ids == {light, heavy[0]}
+
+
+def test_when_the_light_request_cannot_start_no_one_sits_out():
+    """Seats full and fairness preemption off (no priority gap): the light request waits for a
+    seat, and the heavy requests decode every step meanwhile."""
+    eng, light, heavy = _heavy_then_light(seats=4, preempt_gap=0)
+    i = _step_of_first_token(eng, light)
+    assert i > 101 and all(set(heavy) == {s.request_id for s in b.seqs} for b in eng.executor.batches[100:i])

@@ -140,7 +140,7 @@ def test_serve_process_health_auth_limits_and_graceful_sigterm(tmp_path) -> None
 
         # long enough to be still running after the signal and the checks below (~3.5-5 ms a token here)
         body = {"model": "tiny", "prompt": "Count to a hundred:", "max_tokens": 1024, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True}}
+                "stream": True, "stream_options": {"include_usage": True}, "user": "alice"}
         first, lines = threading.Event(), []
         t = _stream_in_thread(url, auth, body, first, lines)
         assert first.wait(60)
@@ -161,3 +161,4 @@ def test_serve_process_health_auth_limits_and_graceful_sigterm(tmp_path) -> None
     out = log_path.read_text()
     assert "draining" in out
     assert "completion_tokens=1024" in out and "finish=length" in out  # the per-request log line
+    assert "level=default priority=5 tenant='alice' prompt_tokens=" in out

@@ -63,6 +63,9 @@ class StepBuilder:
         self.spent = 0
         self._stage_start = 0
         self._admitted: set[str] = set()  # admitted from the queue this step: never preempted in it
+        # a tenant served less starts a request: who sits this step out (Scheduler.fair_yield)
+        fair = sched.fair_yield(now) if sched.policy.preemptive else None
+        self._favoured, self._skip = fair if fair is not None else (None, frozenset())
 
     @property
     def stage_seqs(self) -> int:
@@ -89,6 +92,7 @@ class StepBuilder:
         out = self.seqs
         budget = self.budget
         earlier = {s.request_id for s in out} if out else ()  # given tokens by an earlier call this step
+        skip = self._skip
         cap = None if max_seqs is None else self._stage_start + max_seqs
         grow = sched.kv.grow
         bs = sched.kv.block_size
@@ -96,8 +100,8 @@ class StepBuilder:
             if req.status is not _RUNNING:
                 continue  # preempted earlier in this loop
             rid = req.request_id
-            if rid in earlier:
-                continue  # already given tokens
+            if rid in earlier or rid in skip:
+                continue  # already given tokens, or sits this step out for a tenant served less
             if cap is not None and len(out) >= cap:
                 continue
             if select is not None and not select(req):
@@ -180,6 +184,7 @@ class StepBuilder:
                 if cover_prompts else 0]
         it = iter(candidates) if candidates is not None else None
         held: list[Request] = []  # taken out of the queue to look past them; put back below
+        yielding = {(r.level, r.tenant) for r in sched.running if r.request_id in self._skip}
         floor = -1  # a request of this priority or below did not fit: only higher ones may pass
         try:
             while self.budget > 0 and (cap is None or len(self.seqs) < cap):
@@ -188,6 +193,8 @@ class StepBuilder:
                     break
                 if req.group is not None and sched.awaits_copy(req):
                     pass  # another copy is computing its prompt: look past it, holding back no one
+                elif yielding and (req.level, req.tenant) in yielding:
+                    pass  # its tenant sits this step out: look past it, holding back no one
                 elif req.priority > floor:
                     fit = self._admit_one(req, chunk, whole_prompts, cover_prompts, owed)
                     if fit is None:
@@ -205,6 +212,10 @@ class StepBuilder:
         finally:
             for req in held:
                 sched.waiting.push(req)
+        skip = self._skip
+        if skip and self._favoured.request_id not in self._admitted:  # it could not start: no one sits out
+            self._skip = frozenset()
+            self.running(select=lambda r: r.request_id in skip)
 
     def _admit_one(self, req: Request, chunk: int | None, whole_prompts: bool, cover_prompts: bool,
                    owed: list[int]) -> bool | None:

@@ -150,6 +150,8 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     new_logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # once finished, when asked for
+    level: str | None = None  # the queue level it ran in
+    tenant: str | None = None  # who sent it (the OpenAI `user` field)
 
 
 _OUTPUT_FIELDS = tuple(f.name for f in fields(RequestOutput))
@@ -186,6 +188,8 @@ class RunningOutput(RequestOutput):
     first_scheduled_time = property(lambda self: self._req.first_scheduled_time)
     first_token_time = property(lambda self: self._req.first_token_time)
     priority = property(lambda self: self._req.priority)
+    level = property(lambda self: self._req.level)
+    tenant = property(lambda self: self._req.tenant)
 
     def _values(self) -> tuple:
         return tuple(getattr(self, f) for f in _OUTPUT_FIELDS)

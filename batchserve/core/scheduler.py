@@ -22,6 +22,7 @@ leaves the others their blocks. A copy with no running copy to wait for prefills
 """
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from batchserve.config import QueueConfig, SchedulerConfig
@@ -387,6 +388,27 @@ class Scheduler:
             if best_key is None or key > best_key:
                 best, best_key = r, key
         return best
+
+    def fair_yield(self, now: float) -> tuple[Request, frozenset[str]] | None:
+        """The step a tenant served less starts its request in: (the queue's head, the running
+        requests that sit this step out) or None. They are the head's equals, running for
+        tenants whose counters exceed the head tenant's by more than the head request's own
+        length, with no deadline. Its first token then costs what it would alone, not a step
+        shared with the backlog of those served more (one step's delay to them, at most once
+        per such arrival); the order alone cannot give that, since a running request decodes
+        every step."""
+        if not self.waiting.fair or not self.running:
+            return None
+        head = self.waiting.peek()
+        if head is None or head.tenant is None:
+            return None
+        level, served = head.level, self.waiting.served  # all scaled alike: unscale the differences only
+        scale = math.exp(-(now - self.waiting.epoch) / self.waiting.config.tenant_memory_s)
+        bar = served.get((level, head.tenant), 0.0) + (head.num_prompt_tokens + head.max_tokens) / scale
+        skip = frozenset(r.request_id for r in self.running
+                         if r.level == level and r.tenant != head.tenant and r.priority <= head.priority
+                         and r.deadline_ms is None and served.get((level, r.tenant), 0.0) > bar)
+        return (head, skip) if skip else None
 
     def preempt(self, req: Request, keep_kv: bool = False, reason: str = "memory") -> None:
         """Take a running request back to the waiting queue, where it keeps its place.

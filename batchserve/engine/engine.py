@@ -540,4 +540,5 @@ class LLMEngine:
             finish_time=req.finish_time, priority=req.priority, num_preemptions=req.num_preemptions,
             logprobs=None if (lp := req.output_logprobs) is None else (list(lp) if done else lp),
             new_logprobs=None if lp is None else (lp[-n_new:] if n_new else []),
-            prompt_logprobs=list(req.prompt_logprobs) if done and req.prompt_logprobs is not None else None)
+            prompt_logprobs=list(req.prompt_logprobs) if done and req.prompt_logprobs is not None else None,
+            level=req.level, tenant=req.tenant)

@@ -200,7 +200,7 @@ class ServerMetrics:
 
     def observe_finish(self, out: RequestOutput) -> None:
         reason = out.finish_reason or "unknown"
-        level = getattr(out, "level", None) or "default"
+        level = out.level or "default"
         self.requests.labels(reason).inc()
         self.prompt_tokens.inc(len(out.prompt_token_ids))
         if reason == "deadline":
@@ -226,8 +226,9 @@ class ServerMetrics:
                 self.decode_time.observe(out.finish_time - out.first_token_time)
             if n > 1 and out.first_token_time is not None:
                 self.tpot.observe((out.finish_time - out.first_token_time) / (n - 1))
-        log.info("request %s level=%s priority=%d prompt_tokens=%d completion_tokens=%d queue_ms=%s ttft_ms=%s "
-                 "e2e_ms=%s preempted=%d finish=%s%s", out.request_id, level, out.priority, len(out.prompt_token_ids),
+        log.info("request %s level=%s priority=%d%s prompt_tokens=%d completion_tokens=%d queue_ms=%s ttft_ms=%s "
+                 "e2e_ms=%s preempted=%d finish=%s%s", out.request_id, level, out.priority,
+                 "" if out.tenant is None else f" tenant={out.tenant!r}", len(out.prompt_token_ids),
                  n, _ms(queue), _ms(ttft), _ms(e2e), out.num_preemptions, reason,
                  f" error={out.error!r}" if out.error else "")
 
