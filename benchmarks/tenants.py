@@ -11,7 +11,10 @@ heavy tenant at 4x its rate (together 1.0x capacity) and at 6x (1.4x: overload).
 name themselves in OpenAI's `user` field; batchserve shares each level between tenants by a
 virtual token counter, vLLM has no notion of tenants (its `user` is only logged). The
 batchserve column `no user` sends the 6x run without the field: the same server's
-first-come-first-served order, what the counter changes.
+first-come-first-served order, what the counter changes. For batchserve the server's own
+per-request log lines split the light tenant's P99 TTFT into its wait for a first step and the
+rest (its first step, mostly), measured from its arrival at the engine: what the client adds on
+top (HTTP, and the client itself on the same cores) is the difference.
 """
 from __future__ import annotations
 
@@ -19,7 +22,9 @@ import argparse
 import datetime
 import json
 import os
+import re
 import sys
+import tempfile
 from dataclasses import replace
 from typing import Any
 
@@ -51,12 +56,35 @@ def _ttft_p99(recs: list, who: str) -> float:
     return 1000 * (percentile(t, 99) or 0.0)
 
 
+class _ServerLog:
+    """The light tenant's lines in batchserve's log, phase by phase."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.seen = path, 0
+
+    def phase(self) -> dict[str, float]:
+        """P99 server TTFT, queue wait and TTFT less the wait (ms) of the light requests whose
+        lines were written since the last call."""
+        with open(self.path) as f:
+            lines = f.readlines()
+        new, self.seen = lines[self.seen:], len(lines)
+        rows = [(float(m[1]), float(m[2])) for line in new if "tenant='light'" in line
+                and (m := re.search(r"queue_ms=([\d.]+) ttft_ms=([\d.]+)", line))]
+        if not rows:
+            return {}
+        q, t = np.array(rows).T
+        return {"server_ttft_ms": float(np.percentile(t, 99)), "queue_ms": float(np.percentile(q, 99)),
+                "first_step_ms": float(np.percentile(t - q, 99))}
+
+
 def measure(system: str, seed: int, seconds: float, venv: str, model_dir: str) -> dict[str, Any]:
     rng = np.random.default_rng(seed)
+    log = None
     if system == "vllm":
         ctx = started(start_vllm(model_dir, venv=venv, extra_args=["--max-num-seqs", str(SEATS)]), timeout_s=900.0)
     else:
-        ctx = running_server(["--max-num-seqs", str(SEATS)])
+        log = _ServerLog(os.path.join(tempfile.mkdtemp(), "serve.log"))
+        ctx = running_server(["--max-num-seqs", str(SEATS)], log_path=log.path)
     out: dict[str, Any] = {"system": system}
     with ctx as srv:
         url = srv if isinstance(srv, str) else srv.url
@@ -65,14 +93,18 @@ def measure(system: str, seed: int, seconds: float, venv: str, model_dir: str) -
         cap = out["capacity_rps"] = sum(r.ok for r in burst) / (max(r.end_time for r in burst if r.ok)
                                                                 - min(r.send_time for r in burst))
         light = [replace(w, user="light") for w in items(poisson(LIGHT * cap, seconds, rng), rng, CLASSES)]
+        if log is not None:
+            log.phase()
         recs = _send(url, light)
         out["alone_ms"] = _ttft_p99(recs, "light")
+        if log is not None:
+            out["alone_server"] = log.phase()
         for k in (4, 6):
             heavy = [replace(w, user="heavy") for w in items(poisson(k * LIGHT * cap, seconds, rng), rng, CLASSES)]
             work = sorted(light + heavy, key=lambda w: w.arrival)
             recs = _send(url, work)
             out[f"x{k}"] = {"light_ms": _ttft_p99(recs, "light"), "heavy_ms": _ttft_p99(recs, "heavy"),
-                            "failed": sum(not r.ok for r in recs)}
+                            "failed": sum(not r.ok for r in recs), **(log.phase() if log is not None else {})}
             if system != "vllm" and k == 6:  # the same run without tenants: arrival order
                 recs = _send(url, [replace(w, user=None, cls=w.user) for w in work])
                 out["x6_no_user"] = {"light_ms": _ttft_p99(recs, "light"), "heavy_ms": _ttft_p99(recs, "heavy"),
@@ -97,6 +129,16 @@ def report(results: list[dict], cmdline: str) -> str:
 
         lines.append(f"| {r['system']} | {r['capacity_rps']:.2f} | {a:.0f} | {cell('x4')} | {cell('x6')} | "
                      f"{cell('x6_no_user')} |")
+    split = [r for r in results if r.get("alone_server")]
+    if split:
+        lines += ["", "The light tenant's P99 at the server (ms, from its arrival at the engine): TTFT, the wait "
+                  "for its first step, and TTFT less that wait.", "",
+                  "| system | alone | heavy at 4x | heavy at 6x |", "|---|---|---|---|"]
+        for r in split:
+            cells = [r["alone_server"], r["x4"], r["x6"]]
+            lines.append(f"| {r['system']} | " + " | ".join(
+                f"{c['server_ttft_ms']:.0f} (wait {c['queue_ms']:.0f}, rest {c['first_step_ms']:.0f})"
+                if "server_ttft_ms" in c else "—" for c in cells) + " |")
     lines += ["", "<!-- " + json.dumps(results) + " -->", ""]
     return "\n".join(lines)
 
