@@ -62,7 +62,7 @@ bench-engine: $(STAMP)
 	$(PY) -m benchmarks.foundation --matmul-dtype int8 --skip-hf --out BENCHMARKS.md
 	$(PY) -m benchmarks.foundation --kv-cache-dtype int8 --skip-hf --out BENCHMARKS.md
 	$(PY) -m benchmarks.policies --out BENCHMARKS.md
-	$(PY) -m benchmarks.fidelity --requests 60 --scale 0.5 --out BENCHMARKS.md
+	$(PY) -m benchmarks.fidelity --requests 120 --scale 0.5 --out BENCHMARKS.md
 	$(PY) -m benchmarks.matmul_variants --out BENCHMARKS.md
 	$(PY) -m benchmarks.variants --out BENCHMARKS.md
 	$(PY) -m benchmarks.attention_kernel --out BENCHMARKS.md
