@@ -100,10 +100,11 @@ def _step_of_first_token(eng, rid: str) -> int:
     return next(i for i, b in enumerate(eng.executor.batches) if any(s.request_id == rid for s in b.seqs))
 
 
-def test_a_tenant_served_less_has_its_first_token_step_to_itself():
+@pytest.mark.parametrize("policy", ["continuous", "chunked"])
+def test_a_tenant_served_less_has_its_first_token_step_to_itself(policy):
     """The light request's prompt runs in a step without the heavy tenant's decodes (it costs
     what it would alone); the heavy requests sit out that one step and no other."""
-    eng, light, heavy = _heavy_then_light()
+    eng, light, heavy = _heavy_then_light(policy=policy)
     i = _step_of_first_token(eng, light)
     ids = lambda b: {s.request_id for s in b.seqs}
     assert ids(eng.executor.batches[i]) == {light}
@@ -119,9 +120,10 @@ def test_a_request_with_a_deadline_does_not_sit_out():
     assert ids == {light, heavy[0]}
 
 
-def test_when_the_light_request_cannot_start_no_one_sits_out():
+@pytest.mark.parametrize("policy", ["continuous", "chunked"])
+def test_when_the_light_request_cannot_start_no_one_sits_out(policy):
     """Seats full and fairness preemption off (no priority gap): the light request waits for a
     seat, and the heavy requests decode every step meanwhile."""
-    eng, light, heavy = _heavy_then_light(seats=4, preempt_gap=0)
+    eng, light, heavy = _heavy_then_light(seats=4, preempt_gap=0, policy=policy)
     i = _step_of_first_token(eng, light)
     assert i > 101 and all(set(heavy) == {s.request_id for s in b.seqs} for b in eng.executor.batches[100:i])

@@ -66,6 +66,7 @@ class StepBuilder:
         # a tenant served less starts a request: who sits this step out (Scheduler.fair_yield)
         fair = sched.fair_yield(now) if sched.policy.preemptive else None
         self._favoured, self._skip = fair if fair is not None else (None, frozenset())
+        self._chunk: int | None = None  # the prompt chunk the policy gave running requests
 
     @property
     def stage_seqs(self) -> int:
@@ -93,6 +94,8 @@ class StepBuilder:
         budget = self.budget
         earlier = {s.request_id for s in out} if out else ()  # given tokens by an earlier call this step
         skip = self._skip
+        if chunk is not None:
+            self._chunk = chunk
         cap = None if max_seqs is None else self._stage_start + max_seqs
         grow = sched.kv.grow
         bs = sched.kv.block_size
@@ -215,7 +218,7 @@ class StepBuilder:
         skip = self._skip
         if skip and self._favoured.request_id not in self._admitted:  # it could not start: no one sits out
             self._skip = frozenset()
-            self.running(select=lambda r: r.request_id in skip)
+            self.running(chunk=self._chunk, select=lambda r: r.request_id in skip)
 
     def _admit_one(self, req: Request, chunk: int | None, whole_prompts: bool, cover_prompts: bool,
                    owed: list[int]) -> bool | None:
