@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from batchserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from batchserve.config import CacheConfig, EngineConfig, LevelConfig, QueueConfig, SchedulerConfig
 from batchserve.core.stats import percentile
 from batchserve.engine.clock import SimClock
 from batchserve.engine.engine import LLMEngine
@@ -72,11 +72,11 @@ def test_a_tenant_that_arrives_late_is_not_owed_the_service_others_got_meanwhile
     assert late["light"] <= 1.2 * alone["light"], (late, alone)
 
 
-def _heavy_then_light(seats: int = 8, deadline_ms: float | None = None, **sched):
+def _heavy_then_light(seats: int = 8, deadline_ms: float | None = None, queue: QueueConfig | None = None, **sched):
     """The heavy tenant runs 4 long requests; the light one, served once before, sends one more
     at t = 1 s. Returns (the engine, the light request's id, the heavy requests' ids)."""
     cfg = EngineConfig(cache=CacheConfig(block_size=16, num_blocks=4096),
-                       scheduler=SchedulerConfig(max_num_seqs=seats, **sched))
+                       scheduler=SchedulerConfig(max_num_seqs=seats, **sched), queue=queue or QueueConfig())
     eng = LLMEngine(cfg, FakeExecutor(4096, step_time=0.01), clock=SimClock())
     eng.add_request([1] * 16, SamplingParams(max_tokens=16, ignore_eos=True), now=0.0, tenant="light")
     heavy = [eng.add_request([1] * 16, SamplingParams(max_tokens=300, ignore_eos=True), now=0.0, tenant="heavy",
@@ -118,6 +118,12 @@ def test_a_request_with_a_deadline_does_not_sit_out():
     eng, light, heavy = _heavy_then_light(deadline_ms=60_000.0)
     ids = {s.request_id for s in eng.executor.batches[_step_of_first_token(eng, light)].seqs}
     assert ids == {light, heavy[0]}
+
+
+def test_requests_in_a_level_with_a_time_per_token_target_do_not_sit_out():
+    eng, light, heavy = _heavy_then_light(queue=QueueConfig(levels=(LevelConfig("all", tpot_ms=50.0),)))
+    ids = {s.request_id for s in eng.executor.batches[_step_of_first_token(eng, light)].seqs}
+    assert ids == {light, *heavy}
 
 
 @pytest.mark.parametrize("policy", ["continuous", "chunked"])

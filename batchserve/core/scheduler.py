@@ -393,14 +393,14 @@ class Scheduler:
         """The step a tenant served less starts its request in: (the queue's head, the running
         requests that sit this step out) or None. They are the head's equals, running for
         tenants whose counters exceed the head tenant's by more than the head request's own
-        length, with no deadline. Its first token then costs what it would alone, not a step
-        shared with the backlog of those served more (one step's delay to them, at most once
-        per such arrival); the order alone cannot give that, since a running request decodes
-        every step."""
+        length, with no deadline, in a level without a time-per-token target. Its first token
+        then costs what it would alone, not a step shared with the backlog of those served more
+        (one step's delay to them, at most once per such arrival); the order alone cannot give
+        that, since a running request decodes every step."""
         if not self.waiting.fair or not self.running:
             return None
         head = self.waiting.peek()
-        if head is None or head.tenant is None:
+        if head is None or head.tenant is None or self.waiting.levels[head.level].tpot_ms is not None:
             return None
         level, served = head.level, self.waiting.served  # all scaled alike: unscale the differences only
         scale = math.exp(-(now - self.waiting.epoch) / self.waiting.config.tenant_memory_s)
