@@ -187,7 +187,7 @@ class StepBuilder:
                 if cover_prompts else 0]
         it = iter(candidates) if candidates is not None else None
         held: list[Request] = []  # taken out of the queue to look past them; put back below
-        yielding = {(r.level, r.tenant) for r in sched.running if r.request_id in self._skip}
+        yielding = {(r.level, r.tenant) for r in sched.running if r.request_id in self._skip} if self._skip else ()
         floor = -1  # a request of this priority or below did not fit: only higher ones may pass
         try:
             while self.budget > 0 and (cap is None or len(self.seqs) < cap):

@@ -146,14 +146,13 @@ class AdmissionQueue:
         tk = (req.level, req.tenant)
         self.served[tk] = self.served.get(tk, 0.0) + tokens * math.exp(x)
 
-    @property
-    def epoch(self) -> float:
-        """The time the raw counters in `served` are scaled to (see `tenant_service`)."""
-        return self._epoch
+    def decay(self, now: float) -> float:
+        """What turns a raw counter in `served` into decayed service (tokens) at `now`."""
+        return math.exp(-(now - self._epoch) / self.config.tenant_memory_s)
 
     def tenant_service(self, now: float) -> dict[_TenantKey, float]:
         """Each tenant's decayed service (tokens) at `now`, by (level, tenant)."""
-        f = math.exp(-(now - self._epoch) / self.config.tenant_memory_s)
+        f = self.decay(now)
         return {k: v * f for k, v in self.served.items()}
 
     def remove(self, request_id: str) -> Request | None:

@@ -22,7 +22,6 @@ leaves the others their blocks. A copy with no running copy to wait for prefills
 """
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 from batchserve.config import QueueConfig, SchedulerConfig
@@ -402,9 +401,9 @@ class Scheduler:
         head = self.waiting.peek()
         if head is None or head.tenant is None or self.waiting.levels[head.level].tpot_ms is not None:
             return None
-        level, served = head.level, self.waiting.served  # all scaled alike: unscale the differences only
-        scale = math.exp(-(now - self.waiting.epoch) / self.waiting.config.tenant_memory_s)
-        bar = served.get((level, head.tenant), 0.0) + (head.num_prompt_tokens + head.max_tokens) / scale
+        level, served = head.level, self.waiting.served  # raw counters, all scaled alike
+        length = (head.num_prompt_tokens + head.max_tokens) / self.waiting.decay(now)  # in raw units
+        bar = served.get((level, head.tenant), 0.0) + length
         skip = frozenset(r.request_id for r in self.running
                          if r.level == level and r.tenant != head.tenant and r.priority <= head.priority
                          and r.deadline_ms is None and served.get((level, r.tenant), 0.0) > bar)
