@@ -93,7 +93,8 @@ class StepBuilder:
         out = self.seqs
         budget = self.budget
         earlier = {s.request_id for s in out} if out else ()  # given tokens by an earlier call this step
-        skip = self._skip
+        if self._skip:  # and those sitting this step out for a tenant served less
+            earlier = self._skip.union(earlier)
         if chunk is not None:
             self._chunk = chunk
         cap = None if max_seqs is None else self._stage_start + max_seqs
@@ -103,8 +104,8 @@ class StepBuilder:
             if req.status is not _RUNNING:
                 continue  # preempted earlier in this loop
             rid = req.request_id
-            if rid in earlier or rid in skip:
-                continue  # already given tokens, or sits this step out for a tenant served less
+            if rid in earlier:
+                continue  # already given tokens, or sits this step out
             if cap is not None and len(out) >= cap:
                 continue
             if select is not None and not select(req):
