@@ -216,8 +216,10 @@ def test_a_replica_killed_under_load_loses_nothing_and_unseen_requests_are_place
             time.sleep(0.005)
         assert victim is not None, "no replica was both streaming and queueing"
         held = [t for t in list(client._tracks.values()) if t.replica == victim.key]
-        queued = {t.rid for t in held if not t.delivered}  # nothing produced yet: cannot finish in time
         ray.kill(victim.handle, no_restart=False)
+        # nothing produced by the time it died (read after the kill: a request the victim held
+        # may have sent its first token between the look above and the kill)
+        queued = {t.rid for t in held if not t.delivered}
         results = [f.result(timeout=180) for f in futures]
     streams, wholes = results[1::2], results[0::2]
     assert all(w["status"] == 200 and w["choices"][0]["finish_reason"] == "length"
