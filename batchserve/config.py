@@ -79,6 +79,16 @@ class ModelConfig:
     CPUs take; the auto choices of linear_backend and matmul_dtype then follow that path as they
     would on such a CPU. oneDNN and PyTorch pick their own code paths.
 
+    `prompt_matmul` (`runner.model_runner.resolve_prompt_matmul`): the matrix products of prompt
+    tokens (the rows of a request that has not yet generated). auto: on a CPU with AMX (Intel
+    Sapphire Rapids and later), each layer's matrices are kept a second time as bf16 tiles and a
+    prompt's rows multiply by them, while decodes keep the quantized blocks; a prompt's many rows
+    share every weight, which AMX's bf16 tile products turn into several times AVX-512's
+    multiply-adds per cycle. Taken where the default products are integer ones (matmul_dtype and
+    cpu_isa auto) on the fused C++ path; elsewhere, float32 products included, prompts multiply
+    as decodes do (off). amx: require it (refused where it cannot run). Each row's result is the
+    same whatever rows share its step, so a request's tokens still do not depend on its batch.
+
     `quantized_weights`: auto keeps a GGUF file's Q4_0 / Q4_1 / Q4_K / Q6_K / Q8_0 matrices in
     their blocks and the C++ GEMM multiplies from them (CPU, float32 activations; with float32
     products the same products as the dequantized weights, bit for bit), reading several times
@@ -101,6 +111,8 @@ class ModelConfig:
         "auto", "auto: multiply from a GGUF file's quantized blocks as stored; off: dequantize at load")
     cpu_isa: Literal["auto", "avx512", "avx2", "portable"] = _flag(
         "auto", "code path of the C++ matrix products: the CPU's best (auto), or force one to run or check it")
+    prompt_matmul: Literal["auto", "amx", "off"] = _flag(
+        "auto", "prompt tokens' matrix products: bf16 AMX tiles where they run (auto), require them, or as decodes'")
 
     def __post_init__(self) -> None:
         _check(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
@@ -117,6 +129,10 @@ class ModelConfig:
                f"must be auto or off, got {self.quantized_weights!r}")
         _check(self.cpu_isa in ("auto", "avx512", "avx2", "portable"), "cpu_isa",
                f"must be auto, avx512, avx2 or portable, got {self.cpu_isa!r}")
+        _check(self.prompt_matmul in ("auto", "amx", "off"), "prompt_matmul",
+               f"must be auto, amx or off, got {self.prompt_matmul!r}")
+        _check(self.prompt_matmul != "amx" or (self.device == "cpu" and self.dtype == "float32"), "prompt_matmul",
+               f"amx runs on the CPU with a float32 model, got device {self.device!r}, dtype {self.dtype!r}")
         _check(self.cpu_isa == "auto" or self.device == "cpu", "cpu_isa",
                f"forces a code path of the CPU's matrix products: it needs device cpu, got {self.device!r}")
         _check(self.matmul_dtype not in ("int8", "int16")

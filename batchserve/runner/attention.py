@@ -92,6 +92,9 @@ class AttnMeta:
     block_size: int = 16
     pf_tables: torch.Tensor | None = None  # [S, max_blocks] block tables of the prompt chunks, for the kernel
     pf_spans: torch.Tensor | None = None  # [S, 3] (first flat row, tokens, first position), for the kernel
+    # Rows whose matrix products take the model's prompt path (LlamaModel.prompt_layers): None for
+    # none, ALL_ROWS for every row, else (those rows, the others), each a slice or an index tensor
+    prompt_rows: Any = None
     # PyTorch path: slot_rows of slot_mapping ("new") and dec_slots_flat ("dec") per cache shape,
     # built by the first layer that needs them
     rows: dict = field(default_factory=dict)
@@ -163,6 +166,33 @@ class AttnMeta:
             meta.dec_lo, meta.dec_hi = dec_rows[0], dec_rows[0] + len(dec_rows)
             meta.decode_only = kernel is not None and not prefills and meta.dec_contiguous and len(dec_rows) == flat
         return meta
+
+
+ALL_ROWS = slice(None)  # AttnMeta.prompt_rows: every row of the step
+
+
+def split_rows(runs: list[tuple[int, bool]]) -> Any:
+    """AttnMeta.prompt_rows of a step whose flat rows come in `runs` of (rows, whether they take
+    the prompt path), in order."""
+    total, yes = sum(n for n, _ in runs), sum(n for n, p in runs if p)
+    if yes == 0:
+        return None
+    if yes == total:
+        return ALL_ROWS
+
+    def rows(want: bool) -> slice | torch.Tensor:
+        spans: list[list[int]] = []
+        at = 0
+        for n, p in runs:
+            if p == want and n:
+                if spans and spans[-1][1] == at:
+                    spans[-1][1] = at + n
+                else:
+                    spans.append([at, at + n])
+            at += n
+        return slice(*spans[0]) if len(spans) == 1 else torch.cat([torch.arange(a, b) for a, b in spans])
+
+    return rows(True), rows(False)
 
 
 FP16_MAX = 65504.0

@@ -17,12 +17,14 @@ import logging
 import math
 import mmap
 import time
+from typing import Any
 
 import torch
 
 from batchserve.config import CacheConfig, ModelConfig, kv_cache_dtype_name
 from batchserve.core.batch import ScheduledBatch, ScheduledSeq, StepOutput
-from batchserve.runner.attention import AttnMeta, gather_rows, scatter_rows, slot_rows, to_cache_dtype
+from batchserve.runner.attention import (ALL_ROWS, AttnMeta, gather_rows, scatter_rows, slot_rows, split_rows,
+                                        to_cache_dtype)
 from batchserve.runner.kernels import build_all, fused_ops_ext, paged_attention_ext
 from batchserve.runner.loader import LazyWeights, LoadedModel
 from batchserve.runner import weight_cache
@@ -132,6 +134,31 @@ def resolve_matmul_dtype(model_cfg: ModelConfig, loaded: LoadedModel) -> torch.d
     return torch.int8 if cpu_isa_in_use(model_cfg.cpu_isa, integer=True) in FAST_INT8_ISAS else None
 
 
+def resolve_prompt_matmul(model_cfg: ModelConfig, mm: torch.dtype | None, fused: Any, cfg: Any = None) -> bool:
+    """Whether prompt rows multiply by AMX bf16 tiles (ModelConfig.prompt_matmul): `amx` asks for
+    it (a RuntimeError where it cannot run); `auto` takes it where it runs, the CPU and OS giving
+    AMX tiles, and the default products are integer ones (matmul_dtype auto, cpu_isa auto): a
+    model whose products are float32 keeps them for prompts too. `cfg` (the model's LlamaConfig):
+    its matrices' sides must be multiples of 32, as the tiles are."""
+    if model_cfg.prompt_matmul == "off":
+        return False
+    from batchserve.runner.kernels import gemm_ext
+
+    sides = () if cfg is None else (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim,
+                                     (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim)
+    runs = (fused is not None and mm in (None, torch.float32, torch.int8, torch.int16) and model_cfg.device == "cpu"
+            and model_cfg.dtype == "float32" and all(n % 32 == 0 for n in sides)
+            and (cfg is None or cfg.is_plain_llama)  # the fused layer loop, which the prompt path is part of
+            and gemm_ext() is not None and gemm_ext().has_amx())
+    if model_cfg.prompt_matmul == "amx":
+        if not runs:
+            raise RuntimeError("prompt_matmul=amx: no AMX bf16 tiles here (needs an AMX CPU and OS, the C++ kernels "
+                               "built, a float32 plain-Llama model with matrix sides in multiples of 32, and float32 "
+                               "or integer matrix products)")
+        return True
+    return runs and model_cfg.matmul_dtype == "auto" and model_cfg.cpu_isa == "auto" and mm in (torch.int8, torch.int16)
+
+
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, model_cfg: ModelConfig, cache_cfg: CacheConfig) -> None:
         if model_cfg.num_threads:
@@ -166,9 +193,13 @@ class ModelRunner:
             bits = INT_MATMUL.get(mm, 0)
             cached = weight_cache.load(loaded.path, bits)
         self.model = LlamaModel(loaded.config, loaded.weights, model_cfg.linear_backend, mm, fused, blocks,
-                                cpu_isa=model_cfg.cpu_isa, packed=cached)
-        if bits is not None and self.model.packed and (cached is None or set(cached) != set(self.model.packed)):
-            weight_cache.save(loaded.path, bits, self.model.packed)
+                                cpu_isa=model_cfg.cpu_isa, packed=cached,
+                                prompt_amx=resolve_prompt_matmul(model_cfg, mm, fused, loaded.config))
+        if bits is not None and self.model.packed and not set(self.model.packed) <= set(cached or {}):
+            weight_cache.save(loaded.path, bits, {**(cached or {}), **self.model.packed})
+        if self.model.prompt_layers is not None:
+            log.info("prompt tokens: matrix products on AMX bf16 tiles, decodes as above (--prompt-matmul off: "
+                     "prompts as decodes)")
         if self.model.quantized_matrices:
             log.info("weights: %d matrices multiplied from their GGUF blocks (C++ GEMM)%s",
                      self.model.quantized_matrices,
@@ -225,6 +256,9 @@ class ModelRunner:
             if pad.sample:
                 sample_rows.append(len(ids) - 1)
         meta = AttnMeta.build(rows, self.block_size, self.device, self.kernel)
+        if self.model.prompt_layers is not None:  # the rows of requests not yet generating, and padded prompts
+            meta.prompt_rows = split_rows([(len(s.token_ids), s.output_index == 0) for s in batch.seqs]
+                                          + [(p.num_tokens, p.num_tokens > 1) for p in batch.padding])
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, positions, meta, self.kv_caches)  # [T, H]
@@ -257,6 +291,7 @@ class ModelRunner:
         for start in range(0, n - 1, chunk_tokens):
             chunk = token_ids[start:min(n - 1, start + chunk_tokens)]  # the last token predicts nothing
             meta = AttnMeta.build([(start, len(chunk), block_table)], self.block_size, self.device, self.kernel)
+            meta.prompt_rows = ALL_ROWS
             hidden = self.model(torch.tensor(chunk, dtype=torch.long, device=self.device),
                                 torch.arange(start, start + len(chunk), dtype=torch.long, device=self.device),
                                 meta, self.kv_caches)

@@ -10,13 +10,18 @@
 // 64) this is 1.25-1.4x faster here than oneDNN on its own packed layout, 1.1x at 128 rows and
 // on par at 512 (BENCHMARKS.md). A bf16 variant (AVX512-BF16) serves --matmul-dtype bfloat16.
 //
+// Prompt rows on CPUs with AMX have a path of their own (gemm_amx, below): bf16 tiles.
+//
 // Three code paths share the layout: AVX-512F, AVX2+FMA, and portable C++. The vector paths are
 // compiled with function target attributes, so the module holds all three whatever -march says,
 // and the one the CPU supports is picked at run time (a test can force the others).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -1257,6 +1262,134 @@ torch::Tensor gemm_bf16(torch::Tensor x, torch::Tensor wp, int64_t n) {
   return y;
 }
 
+// ---- AMX: bf16 tiles for prompt rows ---------------------------------------------------------
+// Intel AMX (Sapphire Rapids and later) multiplies 16 x 32 bf16 tiles by 32 x 16 ones into 16 x 16
+// fp32 sums in one instruction (tdpbf16ps), an order of magnitude more multiply-adds per cycle
+// than AVX-512. It reads bf16 weights, 2 bytes each against a Q4_1 block's ~0.6, so it pays
+// where many rows share each weight (a prompt), not at decode sizes.
+// Weights: W [N, K] rounded to bf16 (nearest even), stored as [N/16][K/32] tiles of 1 KiB, each
+// 16 rows (pairs of k) x 16 columns x 2: the layout tdpbf16ps takes its second operand in.
+// A tile step: 32 rows of x (two A tiles) against 32 columns (two B tiles) into four C tiles;
+// k runs in order through K/32 steps, and a row's sums depend on that row and W only: the same
+// bits whatever other rows share the call (a request's tokens do not depend on its batch).
+// Linux hands out the tile registers only on request (arch_prctl ARCH_REQ_XCOMP_PERM).
+constexpr int64_t AMX_MCHUNK = 64;  // rows per pass over the column blocks (measured best of 32 to 1024)
+
+bool cpu_has_amx() {
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d >> 22 & 1) || !(d >> 24 & 1)) return false;  // AMX-BF16, -TILE
+    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) AmxConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Rows [m0, m1) (a multiple of 32 apart) of c = a W^T, column blocks [lo, hi) of 32, in passes of
+// AMX_MCHUNK rows.
+__attribute__((target("amx-tile,amx-bf16"))) void amx_rows(const uint16_t* a, const uint16_t* w, float* c,
+                                                            int64_t m0, int64_t m1, int64_t lo, int64_t hi, int64_t N,
+                                                            int64_t K) {
+  const int64_t KB = K / 32;
+  AmxConfig cfg;
+  std::memset(&cfg, 0, sizeof cfg);
+  cfg.palette = 1;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;  // every tile 16 x 64 bytes
+  _tile_loadconfig(&cfg);
+  for (int64_t mc = m0; mc < m1; mc += AMX_MCHUNK)
+  for (int64_t nb = lo; nb < hi; ++nb) {
+    const uint16_t* w0 = w + 2 * nb * KB * 512;
+    const uint16_t* w1 = w0 + KB * 512;
+    for (int64_t m = mc; m < std::min(m1, mc + AMX_MCHUNK); m += 32) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      const uint16_t* ar = a + m * K;
+      for (int64_t kb = 0; kb < KB; ++kb) {
+        _tile_loadd(4, ar + kb * 32, K * 2);
+        _tile_loadd(5, ar + 16 * K + kb * 32, K * 2);
+        _tile_loadd(6, w0 + kb * 512, 64);
+        _tile_loadd(7, w1 + kb * 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      float* cr = c + m * N + nb * 32;
+      _tile_stored(0, cr, N * 4);
+      _tile_stored(1, cr + 16, N * 4);
+      _tile_stored(2, cr + 16 * N, N * 4);
+      _tile_stored(3, cr + 16 * N + 16, N * 4);
+    }
+  }
+  _tile_release();
+}
+
+bool has_amx() { return cpu_has_amx(); }
+
+// w [N, K] float32 (N and K multiples of 32) -> bf16 tiles [N/16, K/32, 512] (as int16 bits).
+torch::Tensor pack_amx(torch::Tensor w) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kFloat32 && w.dim() == 2,
+              "pack_amx: expected a float32 CPU matrix [N, K]");
+  const int64_t N = w.size(0), K = w.size(1), KB = K / 32;
+  TORCH_CHECK(N % 32 == 0 && K % 32 == 0, "pack_amx: N and K must be multiples of 32, got ", N, " x ", K);
+  const auto wb = w.to(torch::kBFloat16).contiguous();
+  auto out = torch::empty({N / 16, KB, 512}, w.options().dtype(torch::kInt16));
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(wb.data_ptr<at::BFloat16>());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<int16_t>());
+  at::parallel_for(0, N / 16, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t nb = lo; nb < hi; ++nb)
+      for (int64_t kb = 0; kb < KB; ++kb)
+        for (int kp = 0; kp < 16; ++kp)
+          for (int j = 0; j < 16; ++j)
+            for (int e = 0; e < 2; ++e)
+              dst[((nb * KB + kb) * 16 + kp) * 32 + j * 2 + e] = src[(nb * 16 + j) * K + kb * 32 + 2 * kp + e];
+  });
+  return out;
+}
+
+// x [M, K] float32, rounded to bf16, times the AMX tiles -> float32 [M, n] (fp32 sums).
+// `gated`: x is [M, 2K] = [gate | up] and the rows multiplied are silu(gate) * up (silu_mul1,
+// the fused ops' bits), rounded to bf16 as they are made.
+torch::Tensor gemm_amx(torch::Tensor x, torch::Tensor wp, int64_t n, bool gated) {
+  TORCH_CHECK(cpu_has_amx(), "gemm_amx: this CPU (or its OS) gives no AMX tiles");
+  TORCH_CHECK(wp.device().is_cpu() && wp.scalar_type() == torch::kInt16 && wp.dim() == 3 && wp.size(2) == 512 &&
+                  wp.is_contiguous() && wp.size(0) * 16 == n && n % 32 == 0,
+              "gemm_amx: packed weight must be pack_amx's [n/16, K/32, 512] for n = ", n);
+  const int64_t K = wp.size(1) * 32;
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 &&
+                  x.size(1) == (gated ? 2 * K : K),
+              "gemm_amx: x must be a float32 CPU matrix [M, ", gated ? 2 * K : K, "]");
+  const int64_t M = x.size(0), Mpad = (M + 31) / 32 * 32;
+  auto y = torch::empty({Mpad, n}, x.options());
+  if (M == 0) return y.narrow(0, 0, 0);
+  auto xb = torch::empty({Mpad, K}, x.options().dtype(torch::kBFloat16));  // rows past M: zeros
+  if (gated) {
+    x = x.contiguous();
+    const float* g = x.data_ptr<float>();
+    at::BFloat16* d = xb.data_ptr<at::BFloat16>();
+    at::parallel_for(0, M, 16, [&](int64_t lo, int64_t hi) {
+      for (int64_t r = lo; r < hi; ++r)
+        for (int64_t k = 0; k < K; ++k) d[r * K + k] = batchserve::silu_mul1(g[r * 2 * K + k], g[r * 2 * K + K + k]);
+    });
+  } else {
+    xb.narrow(0, 0, M).copy_(x);
+  }
+  if (Mpad > M) xb.narrow(0, M, Mpad - M).zero_();
+  const uint16_t* a = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(wp.data_ptr<int16_t>());
+  float* c = y.data_ptr<float>();
+  at::parallel_for(0, n / 32, 1, [&](int64_t lo, int64_t hi) { amx_rows(a, w, c, 0, Mpad, lo, hi, n, K); });
+  return y.narrow(0, 0, M);  // rows of a contiguous [Mpad, n]: contiguous
+}
+
 // The code path this CPU runs: "avx512", "avx2" or "portable".
 std::string isa() {
   switch (best_isa()) {
@@ -1327,6 +1460,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("isa_override") = -1);
   m.def("pack_q", &pack_q, "GGUF blocks (0 Q4_1, 1 Q8_0, 2 Q4_0, 3 Q4_K, 4 Q6_K) [N, row bytes] -> panels", nogil);
   m.def("unpack_q", &unpack_q, "block-quantized panels -> float32 [n, K]", nogil);
+  m.def("has_amx", &has_amx, "whether this CPU and OS give AMX bf16 tiles (gemm_amx)");
+  m.def("pack_amx", &pack_amx, "w [N, K] float32 -> bf16 AMX tiles [N/16, K/32, 512]", nogil);
+  m.def("gemm_amx", &gemm_amx, "x [M, K] float32 @ W^T on AMX bf16 tiles -> float32 [M, n]", nogil, py::arg("x"),
+        py::arg("wp"), py::arg("n"), py::arg("gated") = false);
   m.def("has_vnni", &has_vnni, "whether this CPU has the integer dot-product path (AVX512-VNNI)");
   m.def("int_isa", &int_isa, "the integer path gemm_int runs here by default: avx512 (VNNI), avx2 or portable");
   m.def("pack_int", &pack_int, "GGUF blocks (0 Q4_1, 1 Q8_0, 2 Q4_0, 3 Q4_K) [N, row bytes] -> integer panels "

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchserve.runner.attention import AttnMeta, paged_attention
+from batchserve.runner.attention import ALL_ROWS, AttnMeta, paged_attention
 from batchserve.runner.models.config import LlamaConfig, UnsupportedModelError
 
 __all__ = ["LlamaConfig", "LlamaModel", "UnsupportedModelError", "expected_weights", "rope_inv_freq"]
@@ -277,6 +277,20 @@ class Linear:
         return self.w.to_dense() if self.backend == "onednn" else self.w
 
 
+PROMPT_MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")  # a layer's products, prompt_layers' order
+
+
+def _take(x: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:
+    return x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
+
+
+def _put(y: torch.Tensor, rows: slice | torch.Tensor, v: torch.Tensor) -> None:
+    if isinstance(rows, slice):
+        y[rows] = v
+    else:
+        y.index_copy_(0, rows, v)
+
+
 def _mm(lin: "Linear", x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     """lin(x), with x cast to the weights' dtype and the result back (bf16 matmul mode), when set."""
     return lin(x) if dtype is None else lin(x.to(dtype)).to(x.dtype)
@@ -286,7 +300,7 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor], linear_backend: str = "auto",
                  matmul_dtype: torch.dtype | None = None, fused: Any = None,
                  quantized: dict[str, tuple[int, torch.Tensor]] | None = None, cpu_isa: str = "auto",
-                 packed: dict[str, torch.Tensor] | None = None) -> None:
+                 packed: dict[str, torch.Tensor] | None = None, prompt_amx: bool = False) -> None:
         """`weights` uses Hugging Face names (model.layers.N.self_attn.q_proj.weight, ...).
         `linear_backend`: auto (best_linear_backend: the C++ panel GEMM on AVX-512, else oneDNN on
         packed weights where it runs, else torch), cpp, onednn, torch.
@@ -309,7 +323,9 @@ class LlamaModel(nn.Module):
         `packed`: the matrices packed from `quantized` on an earlier start (weight_cache.load),
         used instead of packing again (and the embedding dequantized from its blocks, instead of
         dequantizing it again); `self.packed` holds all of these, by the same keys, for
-        weight_cache.save."""
+        weight_cache.save.
+        `prompt_amx`: each layer's four matrices also as bf16 AMX tiles (`prompt_layers`), which
+        the rows of a step's AttnMeta.prompt_rows multiply by instead (the fused path only)."""
         super().__init__()
         self.cfg = cfg
         w = weights
@@ -448,9 +464,33 @@ class LlamaModel(nn.Module):
         self.has_local_rope = cfg.local_rope_theta is not None
         if not cfg.is_plain_llama:
             self.fused = None  # the fused loop computes plain Llama layers only
+        self.prompt_layers = None
+        if prompt_amx:
+            if self.fused is None or mm != torch.float32:
+                raise ValueError("prompt products on AMX tiles need the fused C++ layer path with float32 or integer "
+                                 "matrix products (a float32 Llama-family model on the CPU)")
+            self.prompt_layers = self._pack_prompt_layers(packed)
         self.attn_scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim ** -0.5
         self.embed_scale = (None if cfg.embed_scale is None
                             else torch.tensor(cfg.embed_scale, dtype=torch.float32).to(self.embed.dtype))
+
+    def _pack_prompt_layers(self, cached: dict[str, torch.Tensor] | None) -> list[tuple]:
+        """Per layer, the QKV, O, gate/up and down products on bf16 AMX tiles (gemm_amx), packed
+        from the dense weights (or taken from `cached`, kept in `self.packed` by the same keys).
+        A prompt's rows share every weight, so they pay for its bf16 bytes many times over, where
+        a decode row reads a quantized block for itself: prompts get the tiles, decodes the blocks."""
+        from batchserve.runner.kernels import gemm_ext
+
+        ext = gemm_ext()
+
+        def product(i: int, name: str) -> Any:
+            lin, key = self.layers[i][name], f"amx:{i}:{name}"
+            wp = cached[key] if cached is not None and key in cached else ext.pack_amx(lin.weight.float().contiguous())
+            self.packed[key] = wp
+            gemm, n, gated = ext.gemm_amx, lin.n, name == "w_down"
+            return lambda x: gemm(x, wp, n, gated)  # the down product takes [gate | up]: silu_mul on the way in
+
+        return [tuple(product(i, name) for name in PROMPT_MATRICES) for i in range(len(self.layers))]
 
     def rope(self, positions: torch.Tensor, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         inv = self.local_inv_freq if local else self.inv_freq
@@ -527,9 +567,12 @@ class LlamaModel(nn.Module):
             decode, tables, lens, bsz = meta.kernel.paged_decode, meta.dec_tables, meta.dec_lens, meta.block_size
         mm = self.matmul_dtype
         delta = None
+        layers = self._fused_layers()
+        if meta.prompt_rows is not None and self.prompt_layers is not None:
+            layers = self._prompt_bound(layers, meta.prompt_rows)
         # This loop runs 30 times a step; everything it calls is bound beforehand (_fused_layers).
         for (attn_norm, qkv_fn, o_fn, mlp_norm, gate_up_fn, down_fn, gated_fn), (k_cache, v_cache) in zip(
-                self._fused_layers(), kv_caches):
+                layers, kv_caches):
             h = norm(x, delta, attn_norm, eps, bf)
             qkv = rope_store(qkv_fn(h), cos, sin, slots, k_cache, v_cache, nh, nkv, meta.decode_only)
             if meta.decode_only:
@@ -550,6 +593,27 @@ class LlamaModel(nn.Module):
             self._bound = [(ly["attn_norm"], ly["wqkv"].fn, ly["wo"].fn, ly["mlp_norm"], ly["w_gate_up"].fn,
                             ly["w_down"].fn, ly["w_down"].gated_fn) for ly in self.layers]
         return self._bound
+
+    def _prompt_bound(self, bound: list[tuple], rows: Any) -> list[tuple]:
+        """_fused_layers with each product on the prompt tiles for `rows` (AttnMeta.prompt_rows)
+        and as before for the other rows; the down products take [gate | up] (their gated slot)."""
+        if rows is ALL_ROWS:
+            return [(an, q, o, mn, gu, None, d) for (an, _, _, mn, _, _, _), (q, o, gu, d) in zip(bound, self.prompt_layers)]
+        mine, rest = rows
+        silu_mul = self.fused.silu_mul
+
+        def split(fn: Any, pfn: Any) -> Any:
+            def run(x: torch.Tensor) -> torch.Tensor:
+                b = pfn(_take(x, mine))
+                y = torch.empty(x.shape[0], b.shape[1], dtype=b.dtype)
+                _put(y, mine, b)
+                _put(y, rest, fn(_take(x, rest)))
+                return y
+            return run
+
+        return [(an, split(q, pq), split(o, po), mn, split(gu, pgu), None,
+                 split(gd if gd is not None else (lambda g, d=d: d(silu_mul(g))), pd))
+                for (an, q, o, mn, gu, d, gd), (pq, po, pgu, pd) in zip(bound, self.prompt_layers)]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [S, H] -> [S, V] in float32."""
