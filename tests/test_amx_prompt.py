@@ -92,7 +92,7 @@ def test_amx_product_is_the_bf16_rounded_product_whatever_rows_share_the_call(k,
 
 
 @pytest.mark.kernel
-def test_amx_gated_product_is_silu_mul_then_the_product_bit_for_bit():
+def test_amx_gated_and_swiglu_products_are_silu_mul_then_the_product_bit_for_bit():
     if not _amx():
         pytest.skip("no AMX tiles on this CPU")
     from batchserve.runner.kernels import fused_ops_ext, gemm_ext
@@ -101,6 +101,15 @@ def test_amx_gated_product_is_silu_mul_then_the_product_bit_for_bit():
     gu = torch.randn(45, 2 * 64) * 4
     wp = ext.pack_amx(torch.randn(96, 64))
     assert torch.equal(ext.gemm_amx(gu, wp, 96, True), ext.gemm_amx(fused_ops_ext().silu_mul(gu), wp, 96))
+    # swiglu: the gate/up product packed in pairs of 16 rows gives what the gated product rounds to bf16
+    x, w = torch.randn(45, 64), torch.randn(2 * 48, 64)
+    pairs = ext.pack_amx(w.view(2, 3, 16, 64).transpose(0, 1).reshape(96, 64).contiguous())
+    h = ext.gemm_amx(x, pairs, 96, False, True)
+    assert h.dtype == torch.bfloat16 and h.shape == (45, 48)
+    assert torch.equal(h, fused_ops_ext().silu_mul(ext.gemm_amx(x, ext.pack_amx(w), 96)).bfloat16())
+    down = ext.pack_amx(torch.randn(32, 64))
+    hx = torch.randn(45, 64).bfloat16()  # bf16 rows are taken as they are
+    assert torch.equal(ext.gemm_amx(hx, down, 32), ext.gemm_amx(hx.float(), down, 32))
 
 
 @pytest.mark.kernel

@@ -1292,10 +1292,11 @@ struct alignas(64) AmxConfig {
 };
 
 // Rows [m0, m1) (a multiple of 32 apart) of c = a W^T, column blocks [lo, hi) of 32, in passes of
-// AMX_MCHUNK rows.
+// AMX_MCHUNK rows. With `h` (swiglu), each block's two halves are a gate and an up block (W packed
+// from pairs of 16 rows, gate then up): h [., N/2] gets bf16(silu(gate) * up), and c is not written.
 __attribute__((target("amx-tile,amx-bf16"))) void amx_rows(const uint16_t* a, const uint16_t* w, float* c,
                                                             int64_t m0, int64_t m1, int64_t lo, int64_t hi, int64_t N,
-                                                            int64_t K) {
+                                                            int64_t K, at::BFloat16* h = nullptr) {
   const int64_t KB = K / 32;
   AmxConfig cfg;
   std::memset(&cfg, 0, sizeof cfg);
@@ -1321,6 +1322,19 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_rows(const uint16_t* a, co
         _tile_dpbf16ps(1, 4, 7);
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
+      }
+      if (h != nullptr) {
+        alignas(64) float t[4][16][16];  // rows 0-15 gate, up; rows 16-31 gate, up
+        _tile_stored(0, t[0], 64);
+        _tile_stored(1, t[1], 64);
+        _tile_stored(2, t[2], 64);
+        _tile_stored(3, t[3], 64);
+        for (int r = 0; r < 32; ++r) {
+          const float *g = t[r / 16 * 2][r % 16], *u = t[r / 16 * 2 + 1][r % 16];
+          at::BFloat16* hr = h + (m + r) * (N / 2) + nb * 16;
+          for (int j = 0; j < 16; ++j) hr[j] = batchserve::silu_mul1(g[j], u[j]);
+        }
+        continue;
       }
       float* cr = c + m * N + nb * 32;
       _tile_stored(0, cr, N * 4);
@@ -1355,20 +1369,25 @@ torch::Tensor pack_amx(torch::Tensor w) {
   return out;
 }
 
-// x [M, K] float32, rounded to bf16, times the AMX tiles -> float32 [M, n] (fp32 sums).
-// `gated`: x is [M, 2K] = [gate | up] and the rows multiplied are silu(gate) * up (silu_mul1,
-// the fused ops' bits), rounded to bf16 as they are made.
-torch::Tensor gemm_amx(torch::Tensor x, torch::Tensor wp, int64_t n, bool gated) {
+// x [M, K] float32, rounded to bf16 (or bf16 as it is), times the AMX tiles -> float32 [M, n]
+// (fp32 sums). `gated`: x is float32 [M, 2K] = [gate | up] and the rows multiplied are
+// silu(gate) * up (silu_mul1, the fused ops' bits), rounded to bf16 as they are made.
+// `swiglu`: W was packed from gate and up rows in pairs of 16 (gate rows 16c.., then up rows
+// 16c..) and the result is bf16 [M, n/2], silu(gate) * up of the products, rounded once: what
+// the gated product would take, without the float32 [M, n] in between.
+torch::Tensor gemm_amx(torch::Tensor x, torch::Tensor wp, int64_t n, bool gated, bool swiglu) {
   TORCH_CHECK(cpu_has_amx(), "gemm_amx: this CPU (or its OS) gives no AMX tiles");
   TORCH_CHECK(wp.device().is_cpu() && wp.scalar_type() == torch::kInt16 && wp.dim() == 3 && wp.size(2) == 512 &&
                   wp.is_contiguous() && wp.size(0) * 16 == n && n % 32 == 0,
               "gemm_amx: packed weight must be pack_amx's [n/16, K/32, 512] for n = ", n);
   const int64_t K = wp.size(1) * 32;
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 &&
+  const bool bf = x.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == torch::kFloat32 || (bf && !gated)) && x.dim() == 2 &&
                   x.size(1) == (gated ? 2 * K : K),
-              "gemm_amx: x must be a float32 CPU matrix [M, ", gated ? 2 * K : K, "]");
+              "gemm_amx: x must be a float32 (or, not gated, bfloat16) CPU matrix [M, ", gated ? 2 * K : K, "]");
   const int64_t M = x.size(0), Mpad = (M + 31) / 32 * 32;
-  auto y = torch::empty({Mpad, n}, x.options());
+  auto y = swiglu ? torch::empty({Mpad, n / 2}, x.options().dtype(torch::kBFloat16))
+                  : torch::empty({Mpad, n}, x.options().dtype(torch::kFloat32));
   if (M == 0) return y.narrow(0, 0, 0);
   auto xb = torch::empty({Mpad, K}, x.options().dtype(torch::kBFloat16));  // rows past M: zeros
   if (gated) {
@@ -1385,9 +1404,10 @@ torch::Tensor gemm_amx(torch::Tensor x, torch::Tensor wp, int64_t n, bool gated)
   if (Mpad > M) xb.narrow(0, M, Mpad - M).zero_();
   const uint16_t* a = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
   const uint16_t* w = reinterpret_cast<const uint16_t*>(wp.data_ptr<int16_t>());
-  float* c = y.data_ptr<float>();
-  at::parallel_for(0, n / 32, 1, [&](int64_t lo, int64_t hi) { amx_rows(a, w, c, 0, Mpad, lo, hi, n, K); });
-  return y.narrow(0, 0, M);  // rows of a contiguous [Mpad, n]: contiguous
+  float* c = swiglu ? nullptr : y.data_ptr<float>();
+  at::BFloat16* hb = swiglu ? y.data_ptr<at::BFloat16>() : nullptr;
+  at::parallel_for(0, n / 32, 1, [&](int64_t lo, int64_t hi) { amx_rows(a, w, c, 0, Mpad, lo, hi, n, K, hb); });
+  return y.narrow(0, 0, M);  // rows of a contiguous [Mpad, .]: contiguous
 }
 
 // The code path this CPU runs: "avx512", "avx2" or "portable".
@@ -1462,8 +1482,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("unpack_q", &unpack_q, "block-quantized panels -> float32 [n, K]", nogil);
   m.def("has_amx", &has_amx, "whether this CPU and OS give AMX bf16 tiles (gemm_amx)");
   m.def("pack_amx", &pack_amx, "w [N, K] float32 -> bf16 AMX tiles [N/16, K/32, 512]", nogil);
-  m.def("gemm_amx", &gemm_amx, "x [M, K] float32 @ W^T on AMX bf16 tiles -> float32 [M, n]", nogil, py::arg("x"),
-        py::arg("wp"), py::arg("n"), py::arg("gated") = false);
+  m.def("gemm_amx", &gemm_amx, "x [M, K] @ W^T on AMX bf16 tiles -> float32 [M, n] (swiglu: bf16 [M, n/2])", nogil,
+        py::arg("x"), py::arg("wp"), py::arg("n"), py::arg("gated") = false, py::arg("swiglu") = false);
   m.def("has_vnni", &has_vnni, "whether this CPU has the integer dot-product path (AVX512-VNNI)");
   m.def("int_isa", &int_isa, "the integer path gemm_int runs here by default: avx512 (VNNI), avx2 or portable");
   m.def("pack_int", &pack_int, "GGUF blocks (0 Q4_1, 1 Q8_0, 2 Q4_0, 3 Q4_K) [N, row bytes] -> integer panels "

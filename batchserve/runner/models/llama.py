@@ -280,6 +280,10 @@ class Linear:
 PROMPT_MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")  # a layer's products, prompt_layers' order
 
 
+def _same(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 def _take(x: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:
     return x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
 
@@ -484,11 +488,18 @@ class LlamaModel(nn.Module):
         ext = gemm_ext()
 
         def product(i: int, name: str) -> Any:
-            lin, key = self.layers[i][name], f"amx:{i}:{name}"
-            wp = cached[key] if cached is not None and key in cached else ext.pack_amx(lin.weight.float().contiguous())
+            lin, swiglu = self.layers[i][name], name == "w_gate_up"
+            key = f"amx{'-pairs' if swiglu else ''}:{i}:{name}"
+            if cached is not None and key in cached:
+                wp = cached[key]
+            else:
+                w = lin.weight.float()
+                if swiglu:  # gate and up rows in pairs of 16: each tile pair holds the two halves of 16 outputs
+                    w = w.view(2, -1, 16, w.shape[1]).transpose(0, 1)
+                wp = ext.pack_amx(w.reshape(lin.n, -1).contiguous())
             self.packed[key] = wp
-            gemm, n, gated = ext.gemm_amx, lin.n, name == "w_down"
-            return lambda x: gemm(x, wp, n, gated)  # the down product takes [gate | up]: silu_mul on the way in
+            gemm, n = ext.gemm_amx, lin.n
+            return lambda x: gemm(x, wp, n, False, swiglu)  # gate/up: bf16 silu(gate) * up, what down takes
 
         return [tuple(product(i, name) for name in PROMPT_MATRICES) for i in range(len(self.layers))]
 
@@ -596,7 +607,9 @@ class LlamaModel(nn.Module):
 
     def _prompt_bound(self, bound: list[tuple], rows: Any) -> list[tuple]:
         """_fused_layers with each product on the prompt tiles for `rows` (AttnMeta.prompt_rows)
-        and as before for the other rows; the down products take [gate | up] (their gated slot)."""
+        and as before for the other rows. The prompt tiles' gate/up product gives silu(gate) * up
+        (bf16), which their down product takes in the loop's gated slot; in a step of both kinds of
+        rows the MLP is split as a whole (the gate/up slot passing its input on)."""
         if rows is ALL_ROWS:
             return [(an, q, o, mn, gu, None, d) for (an, _, _, mn, _, _, _), (q, o, gu, d) in zip(bound, self.prompt_layers)]
         mine, rest = rows
@@ -611,8 +624,10 @@ class LlamaModel(nn.Module):
                 return y
             return run
 
-        return [(an, split(q, pq), split(o, po), mn, split(gu, pgu), None,
-                 split(gd if gd is not None else (lambda g, d=d: d(silu_mul(g))), pd))
+        def mlp(gu: Any, d: Any, gd: Any, pgu: Any, pd: Any) -> Any:
+            return split(lambda h: gd(gu(h)) if gd is not None else d(silu_mul(gu(h))), lambda h: pd(pgu(h)))
+
+        return [(an, split(q, pq), split(o, po), mn, _same, None, mlp(gu, d, gd, pgu, pd))
                 for (an, q, o, mn, gu, d, gd), (pq, po, pgu, pd) in zip(bound, self.prompt_layers)]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
