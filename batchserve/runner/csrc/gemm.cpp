@@ -1370,37 +1370,25 @@ torch::Tensor pack_amx(torch::Tensor w) {
 }
 
 // x [M, K] float32, rounded to bf16 (or bf16 as it is), times the AMX tiles -> float32 [M, n]
-// (fp32 sums). `gated`: x is float32 [M, 2K] = [gate | up] and the rows multiplied are
-// silu(gate) * up (silu_mul1, the fused ops' bits), rounded to bf16 as they are made.
-// `swiglu`: W was packed from gate and up rows in pairs of 16 (gate rows 16c.., then up rows
-// 16c..) and the result is bf16 [M, n/2], silu(gate) * up of the products, rounded once: what
-// the gated product would take, without the float32 [M, n] in between.
-torch::Tensor gemm_amx(torch::Tensor x, torch::Tensor wp, int64_t n, bool gated, bool swiglu) {
+// (fp32 sums). `swiglu`: W was packed from gate and up rows in pairs of 16 (gate rows 16c..,
+// then up rows 16c..) and the result is bf16 [M, n/2], silu(gate) * up of the products
+// (silu_mul1, the fused ops' bits) rounded once: what the down product takes, without the
+// float32 [M, n] in between.
+torch::Tensor gemm_amx(torch::Tensor x, torch::Tensor wp, int64_t n, bool swiglu) {
   TORCH_CHECK(cpu_has_amx(), "gemm_amx: this CPU (or its OS) gives no AMX tiles");
   TORCH_CHECK(wp.device().is_cpu() && wp.scalar_type() == torch::kInt16 && wp.dim() == 3 && wp.size(2) == 512 &&
                   wp.is_contiguous() && wp.size(0) * 16 == n && n % 32 == 0,
               "gemm_amx: packed weight must be pack_amx's [n/16, K/32, 512] for n = ", n);
   const int64_t K = wp.size(1) * 32;
-  const bool bf = x.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == torch::kFloat32 || (bf && !gated)) && x.dim() == 2 &&
-                  x.size(1) == (gated ? 2 * K : K),
-              "gemm_amx: x must be a float32 (or, not gated, bfloat16) CPU matrix [M, ", gated ? 2 * K : K, "]");
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16) &&
+                  x.dim() == 2 && x.size(1) == K,
+              "gemm_amx: x must be a float32 or bfloat16 CPU matrix [M, ", K, "]");
   const int64_t M = x.size(0), Mpad = (M + 31) / 32 * 32;
   auto y = swiglu ? torch::empty({Mpad, n / 2}, x.options().dtype(torch::kBFloat16))
                   : torch::empty({Mpad, n}, x.options().dtype(torch::kFloat32));
   if (M == 0) return y.narrow(0, 0, 0);
   auto xb = torch::empty({Mpad, K}, x.options().dtype(torch::kBFloat16));  // rows past M: zeros
-  if (gated) {
-    x = x.contiguous();
-    const float* g = x.data_ptr<float>();
-    at::BFloat16* d = xb.data_ptr<at::BFloat16>();
-    at::parallel_for(0, M, 16, [&](int64_t lo, int64_t hi) {
-      for (int64_t r = lo; r < hi; ++r)
-        for (int64_t k = 0; k < K; ++k) d[r * K + k] = batchserve::silu_mul1(g[r * 2 * K + k], g[r * 2 * K + K + k]);
-    });
-  } else {
-    xb.narrow(0, 0, M).copy_(x);
-  }
+  xb.narrow(0, 0, M).copy_(x);
   if (Mpad > M) xb.narrow(0, M, Mpad - M).zero_();
   const uint16_t* a = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
   const uint16_t* w = reinterpret_cast<const uint16_t*>(wp.data_ptr<int16_t>());
@@ -1483,7 +1471,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_amx", &has_amx, "whether this CPU and OS give AMX bf16 tiles (gemm_amx)");
   m.def("pack_amx", &pack_amx, "w [N, K] float32 -> bf16 AMX tiles [N/16, K/32, 512]", nogil);
   m.def("gemm_amx", &gemm_amx, "x [M, K] @ W^T on AMX bf16 tiles -> float32 [M, n] (swiglu: bf16 [M, n/2])", nogil,
-        py::arg("x"), py::arg("wp"), py::arg("n"), py::arg("gated") = false, py::arg("swiglu") = false);
+        py::arg("x"), py::arg("wp"), py::arg("n"), py::arg("swiglu") = false);
   m.def("has_vnni", &has_vnni, "whether this CPU has the integer dot-product path (AVX512-VNNI)");
   m.def("int_isa", &int_isa, "the integer path gemm_int runs here by default: avx512 (VNNI), avx2 or portable");
   m.def("pack_int", &pack_int, "GGUF blocks (0 Q4_1, 1 Q8_0, 2 Q4_0, 3 Q4_K) [N, row bytes] -> integer panels "

@@ -469,6 +469,7 @@ class LlamaModel(nn.Module):
         if not cfg.is_plain_llama:
             self.fused = None  # the fused loop computes plain Llama layers only
         self.prompt_layers = None
+        self._prompt_all: list[tuple] | None = None  # _prompt_bound for steps of prompt rows only
         if prompt_amx:
             if self.fused is None or mm != torch.float32:
                 raise ValueError("prompt products on AMX tiles need the fused C++ layer path with float32 or integer "
@@ -499,7 +500,7 @@ class LlamaModel(nn.Module):
                 wp = ext.pack_amx(w.reshape(lin.n, -1).contiguous())
             self.packed[key] = wp
             gemm, n = ext.gemm_amx, lin.n
-            return lambda x: gemm(x, wp, n, False, swiglu)  # gate/up: bf16 silu(gate) * up, what down takes
+            return lambda x: gemm(x, wp, n, swiglu)  # gate/up: bf16 silu(gate) * up, what down takes
 
         return [tuple(product(i, name) for name in PROMPT_MATRICES) for i in range(len(self.layers))]
 
@@ -610,8 +611,11 @@ class LlamaModel(nn.Module):
         and as before for the other rows. The prompt tiles' gate/up product gives silu(gate) * up
         (bf16), which their down product takes in the loop's gated slot; in a step of both kinds of
         rows the MLP is split as a whole (the gate/up slot passing its input on)."""
-        if rows is ALL_ROWS:
-            return [(an, q, o, mn, gu, None, d) for (an, _, _, mn, _, _, _), (q, o, gu, d) in zip(bound, self.prompt_layers)]
+        if rows is ALL_ROWS:  # the same every such step: bound once
+            if self._prompt_all is None:
+                self._prompt_all = [(an, q, o, mn, gu, None, d)
+                                    for (an, _, _, mn, _, _, _), (q, o, gu, d) in zip(bound, self.prompt_layers)]
+            return self._prompt_all
         mine, rest = rows
         silu_mul = self.fused.silu_mul
 
