@@ -152,8 +152,9 @@ class CacheConfig:
     """Paged KV cache: `block_size` tokens per block, pool sized from `kv_cache_gb`
     unless `num_blocks` is given.
 
-    `kv_cache_dtype` (`runner.model_runner.resolve_kv_cache_dtype`): auto is float16 where the
-    C++ attention kernels run (a float32 model on the CPU), else the model's dtype. bfloat16 /
+    `kv_cache_dtype` (`runner.model_runner.resolve_kv_cache_dtype`): auto is int8 where the C++
+    attention kernels run (a float32 model on the CPU) and the int8 cache's VNNI kernel built,
+    float16 where only the former holds, else the model's dtype. bfloat16 /
     float16 store K/V in 16 bits (half float32's bytes, twice the tokens per GB; attention math
     stays in the model's dtype); int8 stores a scale per token and kv head besides (a little over
     half float16's bytes; C++ kernels on the CPU only); float32 keeps the cache exact.
@@ -164,7 +165,7 @@ class CacheConfig:
     num_blocks: int | None = _flag(None, "override the pool size")
     prefix_caching: bool = _flag(False, "reuse the KV blocks of prompt prefixes already computed")
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "int8"] = _flag(
-        "auto", "KV cache storage dtype (auto: float16 where the C++ kernels run, else --dtype)")
+        "auto", "KV cache storage dtype (auto: int8 or float16 where the C++ kernels run, else --dtype)")
 
     def __post_init__(self) -> None:
         _check(self.block_size >= 1, "block_size", "must be >= 1")

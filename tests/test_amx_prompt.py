@@ -71,7 +71,7 @@ def test_auto_takes_amx_only_for_integer_default_products(monkeypatch):
 
 
 @pytest.mark.kernel
-@pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (64, 32)])
+@pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (64, 32), (576, 3072)])  # k in 1-6 slices; 1-2 column passes
 def test_amx_product_is_the_bf16_rounded_product_whatever_rows_share_the_call(k, n):
     if not _amx():
         pytest.skip("no AMX tiles on this CPU")
@@ -92,18 +92,20 @@ def test_amx_product_is_the_bf16_rounded_product_whatever_rows_share_the_call(k,
 
 
 @pytest.mark.kernel
-def test_amx_swiglu_product_is_the_product_then_silu_mul_bit_for_bit():
+@pytest.mark.parametrize("k,pairs", [(64, 3), (576, 96)])
+def test_amx_swiglu_product_is_the_product_then_silu_mul_bit_for_bit(k, pairs):
     if not _amx():
         pytest.skip("no AMX tiles on this CPU")
     from batchserve.runner.kernels import fused_ops_ext, gemm_ext
 
     ext = gemm_ext()
     # the gate/up product packed in pairs of 16 rows gives silu_mul of the plain product, rounded to bf16
-    x, w = torch.randn(45, 64), torch.randn(2 * 48, 64)
-    pairs = ext.pack_amx(w.view(2, 3, 16, 64).transpose(0, 1).reshape(96, 64).contiguous())
-    h = ext.gemm_amx(x, pairs, 96, True)
-    assert h.dtype == torch.bfloat16 and h.shape == (45, 48)
-    assert torch.equal(h, fused_ops_ext().silu_mul(ext.gemm_amx(x, ext.pack_amx(w), 96)).bfloat16())
+    n = 32 * pairs
+    x, w = torch.randn(45, k), torch.randn(n, k)
+    packed = ext.pack_amx(w.view(2, pairs, 16, k).transpose(0, 1).reshape(n, k).contiguous())
+    h = ext.gemm_amx(x, packed, n, True)
+    assert h.dtype == torch.bfloat16 and h.shape == (45, n // 2)
+    assert torch.equal(h, fused_ops_ext().silu_mul(ext.gemm_amx(x, ext.pack_amx(w), n)).bfloat16())
     down = ext.pack_amx(torch.randn(32, 64))
     hx = torch.randn(45, 64).bfloat16()  # bf16 rows are taken as they are
     assert torch.equal(ext.gemm_amx(hx, down, 32), ext.gemm_amx(hx.float(), down, 32))

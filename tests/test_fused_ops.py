@@ -170,17 +170,33 @@ def test_16bit_kv_cache_matches_across_paths_and_doubles_capacity(dtype):
         CacheConfig(kv_cache_dtype="int4")
 
 
-def test_kv_cache_dtype_auto_is_float16_where_the_cpp_kernels_run():
-    """`auto` stores K/V as float16 for a float32 model on the CPU with the C++ attention kernels,
-    and as the model's dtype on the PyTorch attention path; an explicit dtype is kept."""
-    from batchserve.runner.model_runner import resolve_kv_cache_dtype
+def test_kv_cache_dtype_auto_is_int8_or_float16_where_the_cpp_kernels_run():
+    """`auto` stores K/V as int8 for a float32 model on the CPU with the C++ attention kernels
+    where the int8 cache's VNNI decode kernel built (and the shape suits it), as float16 where it
+    did not, and as the model's dtype on the PyTorch attention path; an explicit dtype is kept."""
+    from batchserve.runner.model_runner import int8_kv_fits, resolve_kv_cache_dtype
 
     auto, cache32 = CacheConfig(), CacheConfig(kv_cache_dtype="float32")
     torch_path = ModelConfig(model="dummy", attention_backend="torch")
     assert resolve_kv_cache_dtype(torch_path, auto) == torch.float32
     assert resolve_kv_cache_dtype(ModelConfig(model="dummy", dtype="bfloat16"), auto) == torch.bfloat16
     assert resolve_kv_cache_dtype(ModelConfig(model="dummy"), cache32) == torch.float32
-    if paged_attention_ext() is not None and fused_ops_ext() is not None:
-        assert resolve_kv_cache_dtype(ModelConfig(model="dummy"), auto) == torch.float16
-        loaded = load_model(ModelConfig(model="dummy", dummy_config=TINY_MODEL))
-        assert _runner(loaded, "auto").kv_caches[0][0].dtype == torch.float16
+    ext = paged_attention_ext()
+    if ext is not None and fused_ops_ext() is not None:
+        shape = {**TINY_MODEL, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}  # head_dim 64
+        loaded = load_model(ModelConfig(model="dummy", dummy_config=shape))
+        want = torch.uint8 if ext.int8_fast_path() and ext.prefill_supported(64) else torch.float16
+        assert resolve_kv_cache_dtype(ModelConfig(model="dummy"), auto, loaded.config) == want
+        runner = ModelRunner(loaded, ModelConfig(model="dummy", dummy_config=shape), CacheConfig(num_blocks=8))
+        assert runner.kv_caches[0][0].dtype == want
+        # a head_dim the int8 prompt kernel does not take, blocks it does not, or no VNNI kernel: float16
+        tiny = load_model(ModelConfig(model="dummy", dummy_config=TINY_MODEL))  # head_dim 16
+        assert resolve_kv_cache_dtype(ModelConfig(model="dummy"), auto, tiny.config) == torch.float16
+        assert _runner(tiny, "auto").kv_caches[0][0].dtype == torch.float16
+        assert not int8_kv_fits(CacheConfig(block_size=8))
+        assert resolve_kv_cache_dtype(ModelConfig(model="dummy"), CacheConfig(block_size=8)) == torch.float16
+        ext.set_int8_fast_path(False)
+        try:
+            assert resolve_kv_cache_dtype(ModelConfig(model="dummy"), auto, loaded.config) == torch.float16
+        finally:
+            ext.set_int8_fast_path(True)

@@ -58,11 +58,12 @@ def test_logits_match_transformers(mode, tol, llm, llm32, hf_model):
     """Prefill and 16 decode steps of 4 prompts against transformers on the same GGUF weights,
     the worst difference relative to the largest logit: within 1e-4 with float32 products and
     cache; within 2e-3 with int16 dot products and a float16 cache (measured 8.5e-4); within 0.15
-    with the defaults (int8 dot products where the CPU has AVX512-VNNI, llama.cpp's rounding of
-    the activations, a float16 cache: measured 0.07)."""
+    with the defaults (int8 dot products and an int8 cache where the CPU has AVX512-VNNI,
+    llama.cpp's rounding of the activations: measured 0.07 with a float16 cache)."""
     from batchserve.llm import LLM
 
-    other = {"float32": llm32, "auto": llm}.get(mode) or LLM(kv_cache_gb=0.05, matmul_dtype=mode)
+    other = {"float32": llm32, "auto": llm}.get(mode) or LLM(kv_cache_gb=0.05, matmul_dtype=mode,
+                                                               kv_cache_dtype="float16")
     runner = other.engine.executor
     tok = llm.tokenizer
     prompts = [tok.encode(p) for p in PROMPTS[:4]]

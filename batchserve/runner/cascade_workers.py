@@ -86,7 +86,7 @@ class CascadeWorkersExecutor:
         del loaded
         c = self.cfg
         self.block_size = config.cache.block_size
-        dtype = resolve_kv_cache_dtype(config.model, config.cache)  # what the workers' caches hold
+        dtype = resolve_kv_cache_dtype(config.model, config.cache, c)  # what the workers' caches hold
         per_layer = sum(math.prod(shape) for shape in kv_block_shapes(c, self.block_size, dtype))  # K + V
         self._staging = torch.zeros((STAGING_BLOCKS, c.num_layers, per_layer), dtype=dtype).share_memory_()
         self.block_bytes = self._staging[0].numel() * self._staging.element_size()

@@ -72,20 +72,32 @@ def cpp_attention_wanted(model_cfg: ModelConfig, weight_dtype: torch.dtype) -> b
             and weight_dtype == torch.float32)
 
 
-def resolve_kv_cache_dtype(model_cfg: ModelConfig, cache_cfg: CacheConfig) -> torch.dtype:
-    """The KV cache's storage dtype. `auto` means float16 where the C++ attention kernels run (a
-    float32 model on the CPU, the kernels built): half the bytes of float32, so twice the tokens
-    per GB and half the bytes for decode attention to read, with the float32 cache's output (the
-    same greedy continuations; BENCHMARKS.md, "Hot-path variants"), as llama.cpp stores K/V by
-    default. Values past float16's range are stored as +-65504, not infinity. Elsewhere `auto`
-    is the model's dtype; `float32` keeps the exact cache."""
+def resolve_kv_cache_dtype(model_cfg: ModelConfig, cache_cfg: CacheConfig, cfg: Any = None) -> torch.dtype:
+    """The KV cache's storage dtype. `auto`, where the C++ attention kernels run (a float32 model
+    on the CPU, the kernels built), is int8 when its integer decode kernel built here (AVX512-VNNI)
+    and the model's shape suits it (`int8_kv_fits`), else float16. int8 reads a little over half
+    float16's bytes per decode step and holds about 1.7x the tokens per GB; its perplexity stays
+    within the 0.5 % of the float32 model's that the defaults are held to (BENCHMARKS.md, "Output
+    quality"). float16 halves float32's bytes with the float32 cache's output, as llama.cpp stores
+    K/V by default; values past its range are stored as +-65504, not infinity. Elsewhere `auto`
+    is the model's dtype; `float32` keeps the exact cache. `cfg`: the loaded model's config, for
+    the shape check (without it, auto assumes a shape the int8 kernels take)."""
     name = kv_cache_dtype_name(model_cfg, cache_cfg)
     if name == "int8":
         return _int8_kv_dtype(model_cfg, cache_cfg)
     if (cache_cfg.kv_cache_dtype == "auto" and cpp_attention_wanted(model_cfg, getattr(torch, model_cfg.dtype))
             and paged_attention_ext() is not None and fused_ops_ext() is not None):
-        return torch.float16
+        return torch.uint8 if int8_kv_fits(cache_cfg, cfg) else torch.float16
     return getattr(torch, name)
+
+
+def int8_kv_fits(cache_cfg: CacheConfig, cfg: Any = None) -> bool:
+    """Whether `auto` takes the int8 cache: its VNNI decode kernel and its prompt kernel run here
+    (with cfg, for its head_dim), blocks are a multiple of 16 tokens, no sliding-window layers."""
+    ext = paged_attention_ext()
+    if ext is None or not ext.int8_fast_path() or cache_cfg.block_size % 16:
+        return False
+    return cfg is None or (cfg.sliding_window is None and ext.prefill_supported(cfg.head_dim))
 
 
 def _int8_kv_dtype(model_cfg: ModelConfig, cache_cfg: CacheConfig) -> torch.dtype:
@@ -172,7 +184,7 @@ class ModelRunner:
         # LlamaModel may take it from the packed-weight cache instead
         w = loaded.weights
         dtype = getattr(torch, model_cfg.dtype) if isinstance(w, LazyWeights) else w["model.embed_tokens.weight"].dtype
-        self.kv_dtype = resolve_kv_cache_dtype(model_cfg, cache_cfg)
+        self.kv_dtype = resolve_kv_cache_dtype(model_cfg, cache_cfg, self.cfg)
         cpp_ok = cpp_attention_wanted(model_cfg, dtype)
         fused = fused_ops_ext() if cpp_ok else None
         # sliding-window layers run on the PyTorch attention path (the C++ kernels attend to all)
@@ -224,7 +236,7 @@ class ModelRunner:
                  self.block_size, slots, self.num_blocks * per_block / 2**30,
                  "int8" if self.kv_dtype == torch.uint8 else str(self.kv_dtype).split(".")[-1],
                  "; --kv-cache-dtype float32 for an exact float32 cache"
-                 if cache_cfg.kv_cache_dtype == "auto" and self.kv_dtype == torch.float16 else "")
+                 if cache_cfg.kv_cache_dtype == "auto" and self.kv_dtype in (torch.float16, torch.uint8) else "")
 
     @property
     def max_model_len(self) -> int:

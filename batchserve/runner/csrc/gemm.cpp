@@ -1272,8 +1272,15 @@ torch::Tensor gemm_bf16(torch::Tensor x, torch::Tensor wp, int64_t n) {
 // A tile step: 32 rows of x (two A tiles) against 32 columns (two B tiles) into four C tiles;
 // k runs in order through K/32 steps, and a row's sums depend on that row and W only: the same
 // bits whatever other rows share the call (a request's tokens do not depend on its batch).
+// Blocking: a thread takes AMX_NBLOCK column blocks of 32 at a time (their tiles, ~1 MB at the
+// model's K, stay in L2 while every row passes), and 32 rows by k slices of at most AMX_KSLICE
+// steps (those rows' x over a slice, 18 KB, stay in L1 while the blocks pass). Between slices a
+// block's sums wait in a float32 buffer; stored and reloaded exactly, so the k order and the bits
+// are those of one pass. Walking every row past all of W for each 64 rows instead re-read W
+// from L3 each time, and x from L2.
 // Linux hands out the tile registers only on request (arch_prctl ARCH_REQ_XCOMP_PERM).
-constexpr int64_t AMX_MCHUNK = 64;  // rows per pass over the column blocks (measured best of 32 to 1024)
+constexpr int64_t AMX_NBLOCK = 28;
+constexpr int64_t AMX_KSLICE = 9;
 
 bool cpu_has_amx() {
   static const bool ok = [] {
@@ -1291,29 +1298,40 @@ struct alignas(64) AmxConfig {
   uint8_t rows[16];
 };
 
-// Rows [m0, m1) (a multiple of 32 apart) of c = a W^T, column blocks [lo, hi) of 32, in passes of
-// AMX_MCHUNK rows. With `h` (swiglu), each block's two halves are a gate and an up block (W packed
-// from pairs of 16 rows, gate then up): h [., N/2] gets bf16(silu(gate) * up), and c is not written.
+// Rows [m0, m1) (a multiple of 32 apart) of c = a W^T, column blocks [lo, hi) of 32. With `h`
+// (swiglu), each block's two halves are a gate and an up block (W packed from pairs of 16 rows,
+// gate then up): h [., N/2] gets bf16(silu(gate) * up), and c is not written.
 __attribute__((target("amx-tile,amx-bf16"))) void amx_rows(const uint16_t* a, const uint16_t* w, float* c,
                                                             int64_t m0, int64_t m1, int64_t lo, int64_t hi, int64_t N,
                                                             int64_t K, at::BFloat16* h = nullptr) {
-  const int64_t KB = K / 32;
+  const int64_t KB = K / 32, slices = (KB + AMX_KSLICE - 1) / AMX_KSLICE, ks = (KB + slices - 1) / slices;
+  std::vector<float> part(slices > 1 ? AMX_NBLOCK * 1024 : 0);  // a 32 x 32 block's sums per column block
   AmxConfig cfg;
   std::memset(&cfg, 0, sizeof cfg);
   cfg.palette = 1;
   for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;  // every tile 16 x 64 bytes
   _tile_loadconfig(&cfg);
-  for (int64_t mc = m0; mc < m1; mc += AMX_MCHUNK)
-  for (int64_t nb = lo; nb < hi; ++nb) {
-    const uint16_t* w0 = w + 2 * nb * KB * 512;
-    const uint16_t* w1 = w0 + KB * 512;
-    for (int64_t m = mc; m < std::min(m1, mc + AMX_MCHUNK); m += 32) {
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      const uint16_t* ar = a + m * K;
-      for (int64_t kb = 0; kb < KB; ++kb) {
+  for (int64_t n0 = lo; n0 < hi; n0 += AMX_NBLOCK)
+  for (int64_t m = m0; m < m1; m += 32)
+  for (int64_t k0 = 0; k0 < KB; k0 += ks) {
+    const int64_t k1 = std::min(KB, k0 + ks);
+    const uint16_t* ar = a + m * K;
+    for (int64_t nb = n0; nb < std::min(hi, n0 + AMX_NBLOCK); ++nb) {
+      const uint16_t* w0 = w + 2 * nb * KB * 512;
+      const uint16_t* w1 = w0 + KB * 512;
+      float* p = part.data() + (nb - n0) * 1024;
+      if (k0 == 0) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+      } else {
+        _tile_loadd(0, p, 128);
+        _tile_loadd(1, p + 16, 128);
+        _tile_loadd(2, p + 512, 128);
+        _tile_loadd(3, p + 528, 128);
+      }
+      for (int64_t kb = k0; kb < k1; ++kb) {
         _tile_loadd(4, ar + kb * 32, K * 2);
         _tile_loadd(5, ar + 16 * K + kb * 32, K * 2);
         _tile_loadd(6, w0 + kb * 512, 64);
@@ -1322,6 +1340,13 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_rows(const uint16_t* a, co
         _tile_dpbf16ps(1, 4, 7);
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
+      }
+      if (k1 < KB) {
+        _tile_stored(0, p, 128);
+        _tile_stored(1, p + 16, 128);
+        _tile_stored(2, p + 512, 128);
+        _tile_stored(3, p + 528, 128);
+        continue;
       }
       if (h != nullptr) {
         alignas(64) float t[4][16][16];  // rows 0-15 gate, up; rows 16-31 gate, up
