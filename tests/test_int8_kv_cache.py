@@ -63,11 +63,15 @@ def test_rows_round_trip_within_half_a_quantization_step(ext):
     kk, vv = ext.kv_int8_load(k_cache, v_cache, torch.arange(8))
     got_k = kk.transpose(1, 2).reshape(-1, n_kv, hd)[slots]
     got_v = vv.transpose(1, 2).reshape(-1, n_kv, hd)[slots]
-    k_step = k.view(40, n_kv, hd // 16, 16).abs().amax(-1, keepdim=True).expand(-1, -1, -1, 16).reshape(k.shape) / 127
-    v_step = v.abs().amax(-1, keepdim=True) / 127  # V: a scale per row; K: per 16 elements
-    for want, got, step in ((k, got_k, k_step), (v, got_v, v_step)):
+    k_amax = k.view(40, n_kv, hd // 16, 16).abs().amax(-1, keepdim=True).expand(-1, -1, -1, 16).reshape(k.shape)
+    v_amax = v.abs().amax(-1, keepdim=True)  # V: a scale per row; K: per 16 elements
+    for want, got, amax in ((k, got_k, k_amax), (v, got_v, v_amax)):
+        step = amax / 127
         assert ((got - want).abs() <= step / 2 * 1.0001 + 1e-12).all()
         assert ((got - want).abs() > 0).any()  # really quantized
+        # exactly: q = x * (127 / amax) rounded half to even, value = (amax / 127) * q, in float32
+        inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+        assert torch.equal(got, (amax / 127) * torch.round(want * inv).clamp(-127, 127))
     assert (got_k[3] == 0).all()
     assert got_k[5, 0, 7] == pytest.approx(300.0)
     # the outlier coarsens only its own group of 16 elements
