@@ -253,13 +253,35 @@ inline void i8_store_v(uint8_t* region, int64_t off, int64_t bs, int64_t hd, con
   for (int64_t d = 0; d < hd; ++d) dst[4 * d] = static_cast<uint8_t>(q[d]);
 }
 inline void i8_load_k(const uint8_t* region, int64_t off, int64_t bs, int64_t hd, float* out) {
+#if defined(__AVX512F__)
+  for (int64_t g = 0; g < hd / kI8KGroup; ++g) {  // the group's 4 dwords (4 elements each), 64 bytes apart
+    const uint8_t* src = region + i8_k_index(off, g * kI8KGroup, hd);
+    alignas(16) uint8_t u[kI8KGroup];
+    for (int j = 0; j < 4; ++j) std::memcpy(u + 4 * j, src + j * kI8Tile * 4, 4);
+    const __m512i q = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(u))),
+                                       _mm512_set1_epi32(128));
+    _mm512_storeu_ps(out + g * kI8KGroup, _mm512_mul_ps(_mm512_set1_ps(i8_scales(region, bs, hd)[i8_k_scale_index(off, g, hd)]),
+                                                        _mm512_cvtepi32_ps(q)));
+  }
+#else
   for (int64_t d = 0; d < hd; ++d)
     out[d] = i8_scales(region, bs, hd)[i8_k_scale_index(off, d / kI8KGroup, hd)] *
              static_cast<float>(static_cast<int>(region[i8_k_index(off, d, hd)]) - 128);
+#endif
 }
 inline void i8_load_v(const uint8_t* region, int64_t off, int64_t bs, int64_t hd, float* out) {
   const float s = i8_scales(region, bs, hd)[off];
-  for (int64_t d = 0; d < hd; ++d) out[d] = s * static_cast<float>(static_cast<int8_t>(region[i8_v_index(off, d, hd)]));
+  const uint8_t* src = region + i8_v_index(off, 0, hd);  // element d at src + 4 d
+#if defined(__AVX512F__)
+  const int64_t lane = off % 4;  // this token's byte of each dword (the 4 tokens of a group share it)
+  for (int64_t d = 0; d < hd; d += 16) {
+    const __m512i w = _mm512_loadu_si512(src - lane + 4 * d);
+    const __m512i q = _mm512_srai_epi32(_mm512_sllv_epi32(w, _mm512_set1_epi32(static_cast<int>(24 - 8 * lane))), 24);
+    _mm512_storeu_ps(out + d, _mm512_mul_ps(_mm512_set1_ps(s), _mm512_cvtepi32_ps(q)));
+  }
+#else
+  for (int64_t d = 0; d < hd; ++d) out[d] = s * static_cast<float>(static_cast<int8_t>(src[4 * d]));
+#endif
 }
 
 }  // namespace batchserve
