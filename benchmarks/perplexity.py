@@ -15,8 +15,9 @@ exp(-mean log P(token | context)) over the scored tokens, the log P from
 Configurations: transformers' LlamaForCausalLM in float32 on the same GGUF file (an
 independent reference); batchserve's reference, the GGUF's matrices dequantized to float32
 (`--quantized-weights off --matmul-dtype float32 --kv-cache-dtype float32`); the defaults (auto,
-auto, resolved on this machine); every `--matmul-dtype` {float32, bfloat16, int16, int8} x
-`--kv-cache-dtype` {float32, bfloat16, float16, int8} on the GGUF blocks; and `--dtype
+auto, resolved on this machine: on a CPU with AMX its prompts run on bf16 tiles); every
+`--matmul-dtype` {float32, bfloat16, int16, int8} x `--kv-cache-dtype` {float32, bfloat16,
+float16, int8} on the GGUF blocks, prompts included (`--prompt-matmul off`); and `--dtype
 bfloat16` (the whole model in bf16). For each: perplexity, the mean and largest |difference| of
 the scored tokens' log P from the reference's, and greedy agreement with the reference over
 `PROMPTS` (the first 32 greedy tokens, ignore_eos): prompts whose 32 tokens are identical, and
@@ -89,7 +90,8 @@ def run_batchserve(opts: dict, wins: list[list[int]], window: int) -> dict:
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True))
     m = runner.model
     mm = f"int{m.act_bits}" if m.act_bits and m.int_matrices else _dtype_name(m.matmul_dtype)
-    return {"logprobs": lps, "greedy": [o.token_ids for o in outs], "kv": _dtype_name(runner.kv_dtype), "mm": mm}
+    return {"logprobs": lps, "greedy": [o.token_ids for o in outs], "kv": _dtype_name(runner.kv_dtype), "mm": mm,
+            "amx": getattr(m, "prompt_layers", None) is not None}
 
 
 def _dtype_name(dt) -> str:
@@ -150,7 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     configs: list[tuple[str, dict | None]] = [("transformers float32 (same GGUF, dequantized)", None),
                                               ("reference: dequantized float32", REFERENCE),
                                               ("defaults", {})]
-    configs += [(f"{mm} / {kv}", {"matmul_dtype": mm, "kv_cache_dtype": kv}) for mm in MATMUL for kv in KV]
+    # each pair on its own products, prompts included (not on AMX tiles, which the defaults may take)
+    configs += [(f"{mm} / {kv}", {"matmul_dtype": mm, "kv_cache_dtype": kv, "prompt_matmul": "off"})
+                for mm in MATMUL for kv in KV]
     configs.append(("--dtype bfloat16", {"dtype": "bfloat16"}))
     results: dict[str, dict] = {}
     for name, opts in configs:
@@ -190,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         lp = np.array(r["logprobs"])
         d = np.abs(lp - ref_lp)
-        label = name if name != "defaults" else f"defaults (auto / auto: {r['mm']} / {r['kv']} here)"
+        label = name if name != "defaults" else (f"defaults (auto / auto: {r['mm']} / {r['kv']} here"
+                                                 + (", prompts on AMX bf16 tiles)" if r.get("amx") else ")"))
         if r["greedy"] is None:
             same, prefix = "–", "–"
         else:
