@@ -119,3 +119,16 @@ def test_dynamic_length_buckets_cut_padding(make_fake_engine):
 
     plain, bucketed = run(False), run(True)
     assert bucketed < 0.5 * plain
+
+
+def test_dynamic_fit_is_judged_at_the_longest_output_the_batch_had(make_fake_engine):
+    """The step-time model is exact here: an output far longer than the recent ones makes its
+    batch longer than predicted, but is no error of the model's, and does not scale the
+    predictions that follow."""
+    eng = make_fake_engine(policy="dynamic", window_max_ms=50.0, num_blocks=1024)
+    eng.executor = SizedFakeExecutor(1024)
+    warm(eng)  # outputs of 10 tokens
+    t = eng.clock.now() + 1.0
+    eng.clock.set(t)
+    drive(eng, [(t, req("long", 4, 100))])
+    assert 0.8 < eng.scheduler.policy.fit < 1.25

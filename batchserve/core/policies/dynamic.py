@@ -5,7 +5,8 @@ law) whether to launch now and with how many of the waiting requests, from:
 - the arrival gap (an EWMA of gaps; a silence longer than it counts as the gap);
 - predicted batch times, from the scheduler's step-time model (fitted on measured steps, or a
   `batchserve profile`), the waiting prompts, and the longest output expected among b members
-  (recent output lengths), scaled by how measured batches compared with their prediction;
+  (recent output lengths), scaled by how measured batches compared with their prediction at
+  the longest output each had (how long outputs run is the lengths' part, not the model's);
 - the targets the user set (`slo_ttft_ms`, `slo_tpot_ms`, `slo_p99_ms` end to end) and each
   request's own deadline. None is assumed when unset.
 The cap is `max_batch`, and the profile's throughput knee when one is given. `window_max_ms`
@@ -57,7 +58,7 @@ class DynamicPolicy(RequestLevelPolicy):
         self.outputs = SortedWindow()  # output lengths of recent finished members
         self.fit = 1.0  # measured / predicted batch time, smoothed
         self.plan: Plan | None = None
-        self._predicted = 0.0  # the running batch's predicted time
+        self._predicted: BatchTimes | None = None  # the running batch's F and D, before `fit`
 
     def on_add(self, sched: "Scheduler", req: Request, now: float) -> None:
         if self.last_arrival is not None:
@@ -91,7 +92,8 @@ class DynamicPolicy(RequestLevelPolicy):
         self.window_ms = 1000.0 * (waits[0] + self.plan.wait_s) if math.isfinite(self.plan.wait_s) else \
             self.config.window_max_ms
         if self.plan.launch:
-            self._predicted = times(self.plan.size).total
+            t = times(self.plan.size)
+            self._predicted = BatchTimes(t.first / fit, t.decode / fit, t.total / fit)
 
     def should_launch(self, sched: "Scheduler", now: float) -> bool:
         return self.plan is not None and self.plan.launch
@@ -118,10 +120,15 @@ class DynamicPolicy(RequestLevelPolicy):
         for r in members:
             if r.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
                 self.outputs.add(r.num_output_tokens)
-        if self._predicted > 0:
-            raw = self._predicted / self.fit
-            self.fit = min(4.0, max(0.25, ewma(self.fit, (now - self.batch_start) / raw, FIT_ALPHA)))
-        self._predicted = 0.0
+        p = self._predicted
+        if p is not None and members:
+            # judged at the longest output the batch had: how long its outputs were is
+            # `outputs`' part, and counting it here too would scale every later batch by one draw
+            longest = max(r.num_output_tokens for r in members)
+            raw = p.first + max(0, longest - 1) * p.decode
+            if raw > 0:
+                self.fit = min(4.0, max(0.25, ewma(self.fit, (now - self.batch_start) / raw, FIT_ALPHA)))
+        self._predicted = None
 
 
 def _e2e(req: Request, slo_s: float | None) -> float | None:
