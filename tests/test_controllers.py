@@ -6,8 +6,8 @@ import math
 import pytest
 
 from batchserve.core.controllers import (BatchTimes, SortedWindow, Targets, batch_times,
-                                         bucket_distance, ewma, length_bucket, longest_of, percentile, plan_batch,
-                                         slo_size)
+                                         bucket_distance, ewma, length_bucket, longest_of, offer_order, percentile,
+                                         plan_batch, slo_size)
 
 def linear(base: float, per: float):
     """times(b) for a batch whose whole time is base + per * b s (prefill a tenth of it)."""
@@ -78,6 +78,24 @@ def test_targets_cap_the_batch_where_a_fresh_request_would_miss():
     assert slo_size(lambda b: BatchTimes(0.0, 0.001 * b, 0.1 * b), 64, Targets(tpot=0.016)) == 16
     p = plan([0.0] * 40, times, rate=5.0, targets=Targets(e2e=2.0))
     assert p.launch and p.size == 10  # the queue fills the SLO's batch
+
+
+def test_late_requests_give_way_unless_they_ride_or_are_overdue():
+    now_t, t = BatchTimes(0.1, 0.01, 1.0), Targets(e2e=2.0)  # late: waited more than 1 s
+    waits = [4.5, 1.5, 1.2, 0.5, 0.1]
+    longest = [99, 50, 10, 20, 30]
+    # 0: late and overdue (4.5 s >= 2 x 2 s), first; 3, 4: on time; 2: late, no longer than
+    # them, rides; 1: late, would lengthen the batch, left for a later one
+    assert offer_order(waits, [2.0] * 5, longest, now_t, t) == [0, 3, 4, 2]
+    assert offer_order(waits, [2.0, 2.0, 2.0, 2.0, 2.0], [99, 50, 10, 20, 60], now_t, t) == [0, 3, 4, 1, 2]
+    # nobody on time, nobody late, or no target: the queue's order
+    assert offer_order([1.5, 1.2], [2.0, 2.0], [50, 10], now_t, t) == [0, 1]
+    assert offer_order([0.5, 0.1], [2.0, 2.0], [50, 10], now_t, t) == [0, 1]
+    assert offer_order(waits, [None] * 5, longest, now_t, Targets()) == [0, 1, 2, 3, 4]
+    # a request's own deadline makes it late; with a TTFT target alone, overdue at twice it
+    assert offer_order([1.5, 0.5], [None, 1.2], [10, 50], now_t, t) == [0]  # no target of its own: on time
+    ttft = Targets(ttft=0.5)  # late: waited more than 0.4 s
+    assert offer_order([1.0, 0.6, 0.1], [None] * 3, [99, 99, 10], now_t, ttft) == [0, 2]
 
 
 def test_an_empty_model_launches_everything_at_once():

@@ -121,6 +121,32 @@ def test_dynamic_length_buckets_cut_padding(make_fake_engine):
     assert bucketed < 0.5 * plain
 
 
+def test_dynamic_a_late_request_that_would_lengthen_the_batch_waits_for_a_later_one(make_fake_engine):
+    """SLO 1 s end to end. While a long batch runs, a long and a short request wait past it;
+    two short ones come near its end. The next batch takes the two on time and the short late
+    one (it ends no later); the long late one goes after, alone."""
+    eng = make_fake_engine(policy="dynamic", max_batch=32, window_max_ms=50.0, num_blocks=1024, slo_p99_ms=1000.0)
+    eng.executor = SizedFakeExecutor(1024)  # a step of b sequences takes 4 + 2 b ms
+    warm(eng)
+    pol = eng.scheduler.policy
+    formed, form = [], pol._form
+
+    def recording(sched, now):
+        form(sched, now)
+        formed.append({r.request_id for r in pol.members})
+
+    pol._form = recording
+    t = eng.clock.now() + 1.0
+    eng.clock.set(t)
+    done = drive(eng, [(t, req("first", 4, 200)),  # 200 steps of 6 ms: 1.2 s
+                       (t + 0.01, req("late-long", 4, 100)), (t + 0.01, req("late-short", 4, 10)),
+                       (t + 1.0, req("on-1", 4, 10)), (t + 1.0, req("on-2", 4, 10))])
+    assert formed == [{"first"}, {"on-1", "on-2", "late-short"}, {"late-long"}]
+    for rid in ("on-1", "on-2"):
+        out = done[rid][0]
+        assert out.finish_time - out.arrival_time <= 1.0
+
+
 def test_dynamic_fit_is_judged_at_the_longest_output_the_batch_had(make_fake_engine):
     """The step-time model is exact here: an output far longer than the recent ones makes its
     batch longer than predicted, but is no error of the model's, and does not scale the

@@ -16,7 +16,22 @@ request that has waited w meets its targets in that batch when every target that
 
     w + F(b) <= ttft,   D(b) <= tpot,   w + B(b) <= e2e     (e2e: the tighter of the SLO and its deadline)
 
-Size. The batch takes the first min(d, c) waiting requests, where c is the largest size whose
+Who. A waiting request is late when it misses its targets even in the batch that would go now
+(of min(n, c) requests, n waiting; c below). The batch is offered to, in this order (queue order
+within each group):
+
+    overdue     late, and w >= 2 * its target (e2e, else ttft)
+    on time     not late
+    riders      late, and max_tokens <= the largest max_tokens of those on time
+
+and d below counts them. The rest, late requests with a longer max_tokens, wait for a batch they
+do not lengthen: they would miss anyway, and with them the on-time members would wait for their
+last token, and everyone queued behind for the batch's end. A rider ends within the on-time
+members' bound, so it costs them one more row a step; a request that has waited twice its
+target goes whatever it costs, so none waits without bound. With no request on time, none
+late, or no target set, this is the queue's order.
+
+Size. The batch takes the first min(d, c) of them, where c is the largest size whose
 batch meets the targets for a request that has not waited at all (at most the cap; 1 if none):
 
     c = max{ b <= cap : F(b) <= ttft, D(b) <= tpot, B(b) <= e2e }
@@ -112,8 +127,8 @@ class Plan:
 def plan_batch(waits: Sequence[float], e2e: Sequence[float | None], times: Callable[[int], BatchTimes],
                cap: int, mean_gap_s: float | None, since_s: float, targets: Targets, window_max_s: float) -> Plan:
     """The control law in the module docstring. `waits` (seconds) and `e2e` (each request's
-    end-to-end target, None for none) are the waiting requests in queue order, at least the
-    first cap of them; `times(b)` gives F, D, B for a batch of b; the arrival gap is the
+    end-to-end target, None for none) are the requests offered, in `offer_order`'s order, at
+    least the first cap of them; `times(b)` gives F, D, B for a batch of b; the arrival gap is the
     larger of `mean_gap_s` (None: no arrivals seen) and `since_s`, the time since the last.
 
     When it waits, `wait_s` is exact: with no arrival the plan first says launch then (the gap
@@ -143,6 +158,26 @@ def plan_batch(waits: Sequence[float], e2e: Sequence[float | None], times: Calla
     for m in margins:  # the margin closes at 1/s while the gap holds, at 2/s once it grows
         wait = min(wait, m if m <= grow_at else grow_at + (m - grow_at) / 2)
     return Plan(False, size, max(0.0, wait))
+
+
+def offer_order(waits: Sequence[float], e2e: Sequence[float | None], max_tokens: Sequence[int], now_t: BatchTimes,
+                targets: Targets) -> list[int]:
+    """Who is offered a place in the batch, as indices into the waiting requests (queue order),
+    by the module docstring's rule: the overdue, the on-time, then the riders. `now_t`: the
+    times of the batch that would go now."""
+    on: list[int] = []
+    late: list[int] = []
+    for i, (w, e) in enumerate(zip(waits, e2e)):
+        (on if _meets(w, e, now_t, targets) else late).append(i)
+    if not on or not late:
+        return list(range(len(waits)))
+    bound = max(max_tokens[i] for i in on)
+
+    def overdue(i: int) -> bool:
+        target = e2e[i] if e2e[i] is not None else targets.ttft
+        return target is not None and waits[i] >= 2 * target
+
+    return [i for i in late if overdue(i)] + on + [i for i in late if not overdue(i) and max_tokens[i] <= bound]
 
 
 def _largest(ok: Callable[[int], bool], top: int) -> int:

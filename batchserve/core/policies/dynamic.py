@@ -1,19 +1,21 @@
 """`dynamic`: request-level batches like `static`, launched and sized by a controller.
 
-While no batch runs, every step asks `controllers.plan_batch` (its docstring states the control
-law) whether to launch now and with how many of the waiting requests, from:
+While no batch runs, every step asks `controllers.offer_order` and `controllers.plan_batch`
+(the module's docstring states the control law) which of the waiting requests are offered a
+place, whether to launch now, and with how many of them, from:
 - the arrival gap (an EWMA of gaps; a silence longer than it counts as the gap);
 - predicted batch times, from the scheduler's step-time model (fitted on measured steps, or a
   `batchserve profile`), the waiting prompts, and the longest output expected among b members
   (recent output lengths), scaled by how measured batches compared with their prediction at
   the longest output each had (how long outputs run is the lengths' part, not the model's);
 - the targets the user set (`slo_ttft_ms`, `slo_tpot_ms`, `slo_p99_ms` end to end) and each
-  request's own deadline. None is assumed when unset.
+  request's own deadline. None is assumed when unset;
+- each waiting request's max_tokens, the bound on its output.
 The cap is `max_batch`, and the profile's throughput knee when one is given. `window_max_ms`
 bounds how long a request waits for company.
 
 `bucket_by_length`: the batch is filled with the requests closest in (prompt, output) length
-bucket to the head of the queue, which cuts padding (sequence-level batching).
+bucket to the first one offered, which cuts padding (sequence-level batching).
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ from typing import TYPE_CHECKING, Iterable
 
 from batchserve.config import SchedulerConfig
 from batchserve.core.controllers import (BatchTimes, Plan, SortedWindow, Targets, batch_times,
-                                         bucket_distance, ewma, length_bucket, longest_of, plan_batch)
+                                         bucket_distance, ewma, length_bucket, longest_of, offer_order,
+                                         plan_batch, slo_size)
 from batchserve.core.latency import LatencyModel, ProfiledLatencyModel
 from batchserve.core.policies.request_level import RequestLevelPolicy
 from batchserve.request import Request, RequestStatus
@@ -58,6 +61,7 @@ class DynamicPolicy(RequestLevelPolicy):
         self.outputs = SortedWindow()  # output lengths of recent finished members
         self.fit = 1.0  # measured / predicted batch time, smoothed
         self.plan: Plan | None = None
+        self.offered: list[Request] | None = None  # the plan's order of the waiting, where not the queue's
         self._predicted: BatchTimes | None = None  # the running batch's F and D, before `fit`
 
     def on_add(self, sched: "Scheduler", req: Request, now: float) -> None:
@@ -66,7 +70,7 @@ class DynamicPolicy(RequestLevelPolicy):
         self.last_arrival = now
 
     def update_controls(self, sched: "Scheduler", now: float) -> None:
-        self.plan = None
+        self.plan, self.offered = None, None
         if self.members or not len(sched.waiting):
             return
         cap = min(self.cap_max, sched.config.max_num_seqs)
@@ -85,6 +89,10 @@ class DynamicPolicy(RequestLevelPolicy):
                 memo[b] = BatchTimes(fit * t.first, fit * t.decode, fit * t.total)
             return memo[b]
 
+        order = offer_order(waits, e2e, [r.max_tokens for r in head],
+                            times(min(len(head), slo_size(times, cap, self.targets))), self.targets)
+        self.offered = None if order == list(range(len(head))) else [head[i] for i in order]
+        waits, e2e = [waits[i] for i in order], [e2e[i] for i in order]
         since = 0.0 if self.last_arrival is None else now - self.last_arrival
         self.plan = plan_batch(waits, e2e, times, cap, self.mean_gap_s, since, self.targets,
                                self.config.window_max_ms / 1000.0)
@@ -106,7 +114,7 @@ class DynamicPolicy(RequestLevelPolicy):
         return now + self.plan.wait_s if math.isfinite(self.plan.wait_s) else None
 
     def candidates(self, sched: "Scheduler") -> Iterable[Request]:
-        order = list(sched.waiting)
+        order = list(sched.waiting) if self.offered is None else self.offered
         if not self.config.bucket_by_length or len(order) < 2:
             return order
         head = length_bucket(order[0].num_prompt_tokens, order[0].max_tokens)
