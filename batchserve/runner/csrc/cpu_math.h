@@ -195,8 +195,25 @@ inline auto i8_scales(P* region, int64_t bs, int64_t hd) {
   return reinterpret_cast<F*>(region + bs * hd);
 }
 
-// q = round(x / scale), scale = max |x| / 127 (all zero: scale 0, q 0).
+// q = round(x / scale), scale = max |x| / 127 (all zero: scale 0, q 0). With AVX-512 and n a
+// multiple of 16, on 16 lanes with the same bits: a max is exact in any order, and roundscale
+// rounds to nearest even as nearbyint does under the default mode.
 inline float i8_quantize(const float* x, int64_t n, int8_t* q) {
+#if defined(__AVX512F__)
+  if (n % 16 == 0) {
+    __m512 m = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+    const float amax = _mm512_reduce_max_ps(m);
+    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f), hi = _mm512_set1_ps(127.f);
+    for (int64_t i = 0; i < n; i += 16) {
+      __m512 y = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i), inv),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      y = _mm512_min_ps(hi, _mm512_max_ps(_mm512_set1_ps(-127.f), y));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(y)));
+    }
+    return amax / 127.f;
+  }
+#endif
   float amax = 0.f;
   for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
   const float inv = amax > 0.f ? 127.f / amax : 0.f;
@@ -205,50 +222,18 @@ inline float i8_quantize(const float* x, int64_t n, int8_t* q) {
   return amax / 127.f;
 }
 
-#if defined(__AVX512F__)
-// i8_quantize for n a multiple of 16, on 16 lanes, with the same bits: a max is exact in any
-// order, and roundscale rounds to nearest even as nearbyint does under the default mode.
-inline float i8_quantize16(const float* x, int64_t n, int8_t* q) {
-  __m512 m = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
-  const float amax = _mm512_reduce_max_ps(m);
-  const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f), hi = _mm512_set1_ps(127.f);
-  for (int64_t i = 0; i < n; i += 16) {
-    __m512 y = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i), inv),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    y = _mm512_min_ps(hi, _mm512_max_ps(_mm512_set1_ps(-127.f), y));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(y)));
-  }
-  return amax / 127.f;
-}
-#endif
-
 // Token `off`'s row of one kv head into its region, and back to float32.
 inline void i8_store_k(uint8_t* region, int64_t off, int64_t bs, int64_t hd, const float* x) {
-  alignas(16) int8_t q[kI8KGroup];
+  int8_t q[kI8KGroup];
   for (int64_t g = 0; g < hd / kI8KGroup; ++g) {
-#if defined(__AVX512F__)
-    i8_scales(region, bs, hd)[i8_k_scale_index(off, g, hd)] = i8_quantize16(x + g * kI8KGroup, kI8KGroup, q);
-    // q + 128 as bytes; each 4 consecutive elements are one dword of the tile, 64 bytes apart
-    alignas(16) uint8_t u[kI8KGroup];
-    _mm_store_si128(reinterpret_cast<__m128i*>(u),
-                    _mm_xor_si128(_mm_load_si128(reinterpret_cast<const __m128i*>(q)), _mm_set1_epi8(-128)));
-    uint8_t* dst = region + i8_k_index(off, g * kI8KGroup, hd);
-    for (int j = 0; j < 4; ++j) std::memcpy(dst + j * kI8Tile * 4, u + 4 * j, 4);
-#else
     i8_scales(region, bs, hd)[i8_k_scale_index(off, g, hd)] = i8_quantize(x + g * kI8KGroup, kI8KGroup, q);
-    for (int64_t i = 0; i < kI8KGroup; ++i)
-      region[i8_k_index(off, g * kI8KGroup + i, hd)] = static_cast<uint8_t>(q[i] + 128);
-#endif
+    uint8_t* dst = region + i8_k_index(off, g * kI8KGroup, hd);  // elements 4j .. 4j + 3 at dst + 64 j
+    for (int64_t i = 0; i < kI8KGroup; ++i) dst[i / 4 * kI8Tile * 4 + i % 4] = static_cast<uint8_t>(q[i] + 128);
   }
 }
 inline void i8_store_v(uint8_t* region, int64_t off, int64_t bs, int64_t hd, const float* x) {
   int8_t q[512];
-#if defined(__AVX512F__)
-  i8_scales(region, bs, hd)[off] = i8_quantize16(x, hd, q);
-#else
   i8_scales(region, bs, hd)[off] = i8_quantize(x, hd, q);
-#endif
   uint8_t* dst = region + i8_v_index(off, 0, hd);  // element d at dst + 4 d
   for (int64_t d = 0; d < hd; ++d) dst[4 * d] = static_cast<uint8_t>(q[d]);
 }
