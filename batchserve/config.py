@@ -198,6 +198,10 @@ class SchedulerConfig:
     `soft_share_tokens`: with every seat taken, a running soft-deadline answer with at least
     this many tokens ends (shortened) to seat a queued soft-deadline request of no lower
     priority that would otherwise start too late to answer (core/deadlines.py); 0: never.
+    `interject` (continuous / chunked, with tenants): a request of a tenant served less, arriving
+    while a step of the others' requests runs, runs its first step at once, between two of
+    that step's layers (`Scheduler.interjection`; the served engine only: the simulator and
+    the offline engine take arrivals between steps).
     `pay_padding` (static / dynamic): the batch's padding is computed, not only counted — each
     step carries the rows a padded engine would run (prompts padded to the longest, finished
     members' decode rows), which the simulator charges and the model runner runs and discards
@@ -226,6 +230,8 @@ class SchedulerConfig:
                                       "one about to miss (0: never)")
     pay_padding: bool = _flag(False, "static / dynamic: compute the padding a padded engine would, "
                                      "not only count it")
+    interject: bool = _flag(True, "a tenant served less waits for the running step's end (default: it "
+                                  "starts between two layers)")
     extra: dict = field(default_factory=dict, metadata={"cli": False, "help": "more settings for a policy"})
 
     def __post_init__(self) -> None:

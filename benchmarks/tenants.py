@@ -7,7 +7,8 @@ tenant's P99 time to first token past 1.2x its value when alone?
 One server at a time (`--max-num-seqs 16`), the project's open-loop client. Each server's
 capacity is measured first (a burst of 48 requests), then on the same server: the light tenant
 alone (Poisson at 0.2x capacity, prompts ~64 tokens, answers ~48), the same arrivals beside a
-heavy tenant at 4x its rate (together 1.0x capacity) and at 6x (1.4x: overload). Both tenants
+heavy tenant at 4x its rate (together 1.0x capacity) and at 6x (1.4x: overload);
+`batchserve-no-interject` is the same server with `--no-interject`. Both tenants
 name themselves in OpenAI's `user` field; batchserve shares each level between tenants by a
 virtual token counter, vLLM has no notion of tenants (its `user` is only logged). The
 batchserve column `no user` sends the 6x run without the field: the same server's
@@ -42,6 +43,8 @@ TITLE = "## Fair tenants: a light tenant beside one sending 4x and 6x its tokens
 SEATS = 16
 LIGHT = 0.2  # the light tenant's rate, as a fraction of capacity
 CLASSES = (("t", 1.0, 5),)
+# batchserve variants: a light request arriving mid-step waits for the step's end
+SYSTEM_ARGS = {"batchserve-no-interject": ["--no-interject"]}
 
 
 def _send(url: str, work: list[WorkItem]) -> list:
@@ -84,7 +87,7 @@ def measure(system: str, seed: int, seconds: float, venv: str, model_dir: str) -
         ctx = started(start_vllm(model_dir, venv=venv, extra_args=["--max-num-seqs", str(SEATS)]), timeout_s=900.0)
     else:
         log = _ServerLog(os.path.join(tempfile.mkdtemp(), "serve.log"))
-        ctx = running_server(["--max-num-seqs", str(SEATS)], log_path=log.path)
+        ctx = running_server(["--max-num-seqs", str(SEATS), *SYSTEM_ARGS.get(system, [])], log_path=log.path)
     out: dict[str, Any] = {"system": system}
     with ctx as srv:
         url = srv if isinstance(srv, str) else srv.url
@@ -105,7 +108,7 @@ def measure(system: str, seed: int, seconds: float, venv: str, model_dir: str) -
             recs = _send(url, work)
             out[f"x{k}"] = {"light_ms": _ttft_p99(recs, "light"), "heavy_ms": _ttft_p99(recs, "heavy"),
                             "failed": sum(not r.ok for r in recs), **(log.phase() if log is not None else {})}
-            if system != "vllm" and k == 6:  # the same run without tenants: arrival order
+            if system == "batchserve" and k == 6:  # the same run without tenants: arrival order
                 recs = _send(url, [replace(w, user=None, cls=w.user) for w in work])
                 out["x6_no_user"] = {"light_ms": _ttft_p99(recs, "light"), "heavy_ms": _ttft_p99(recs, "heavy"),
                                      "failed": sum(not r.ok for r in recs)}
@@ -146,7 +149,8 @@ def report(results: list[dict], cmdline: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--systems", default="batchserve,vllm", help="comma-separated: batchserve, vllm")
+    p.add_argument("--systems", default="batchserve,vllm",
+                   help="comma-separated: batchserve, batchserve-no-interject, vllm")
     add_vllm_args(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="20 s phases instead of 40")

@@ -17,7 +17,7 @@ import pytest
 from batchserve.cli import add_config_args, build_parser, engine_config, flags_markdown
 from batchserve.config import (EXPLICIT, SECTIONS, CacheConfig, ConfigError, EngineConfig, ModelConfig,
                                QueueConfig, SchedulerConfig, ServerConfig, cli_fields, from_sources,
-                               namespace_sources)
+                               flag_name, namespace_sources)
 from batchserve.server.config import load_configs
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -70,7 +70,7 @@ def test_every_help_is_one_line_and_config_flags_come_from_fields() -> None:
                 continue
             help_ = f.metadata["help"]
             assert help_ and "\n" not in help_ and len(help_) <= 100, (section, f.name)
-            flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+            flag = flag_name(f)
             assert serve[flag]["default"] == getattr(default, f.name), flag  # the default is the field's
 
 

@@ -124,6 +124,55 @@ def test_batch_invariance_and_transformers_generate(llm, llm32, hf_model):
         assert ours == hf_greedy(hf_model, llm.tokenizer.encode(p), 32), p
 
 
+def test_a_step_run_between_two_layers_of_another_leaves_both_as_alone(llm):
+    """The served engine's interjection on the real model: a light tenant's request arriving
+    in the middle of a step of a heavy tenant's prompts and decodes runs its own first step
+    there, between two of that step's layers. Each request then gets the tokens it gets alone:
+    the paused forward pass and the one run inside it share nothing but the weights."""
+    eng, runner = llm.engine, llm.engine.executor
+    light, heavy = PROMPTS[:2], PROMPTS[2:6]
+    done: dict[str, list[int]] = {}
+
+    def run(step) -> None:
+        for o in step.outputs if step is not None else ():
+            if o.finished:
+                done[o.request_id] = o.token_ids
+
+    eng.add_request(light[0], SamplingParams(max_tokens=1), tenant="light")  # the light tenant, served once
+    while eng.has_unfinished:
+        run(eng.step())
+    ids = [eng.add_request(p, GREEDY, tenant="heavy").request_id for p in heavy[:2]]
+    for _ in range(24):  # the heavy tenant, served well past the light one
+        run(eng.step())
+    ids += [eng.add_request(p, GREEDY, tenant="heavy").request_id for p in heavy[2:]]
+    batches, inner, execute = [], [], runner.execute
+
+    def spy(batch):
+        batches.append(batch)
+        return execute(batch)
+
+    def pause() -> float:
+        if not inner:  # the light request arrives after the first layer (and once: not in its own step)
+            inner.append(None)
+            rid = eng.add_request(light[1], GREEDY, tenant="light").request_id
+            inner[0] = (rid, eng.interject())
+            run(inner[0][1])
+        return 0.0
+
+    runner.execute, runner.between_layers = spy, pause
+    try:
+        run(eng.step())  # the heavy decodes and prompts, paused after its first layer
+    finally:
+        runner.between_layers = None
+        del runner.execute
+    while eng.has_unfinished:
+        run(eng.step())
+    (rid, step), = inner
+    assert step is not None and [len(b.seqs) for b in batches] == [4, 1] and batches[1].seqs[0].request_id == rid
+    assert done[rid] == _alone(llm, [light[1]])[0]
+    assert [done[i] for i in ids] == _alone(llm, heavy)
+
+
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     """transformers' greedy decoding, with EOS treated like any token (as ignore_eos does)."""
     x = torch.tensor([ids])

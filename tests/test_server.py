@@ -249,6 +249,7 @@ def test_metrics_show_what_the_test_did(server) -> None:
     assert after[("batchserve:requests_waiting", (("level", "default"),))] == 0
     for name in ("batchserve:preemptions_total", "batchserve:prefix_cache_hit_rate", "batchserve:max_batch"):
         assert (name, ()) in after, name
+    assert delta("batchserve:interjected_steps_total") == 0  # one tenant: no step is ever interjected
     # every token of the two answers was computed once: prompt + 5 each (the last sampled is not fed back)
     assert delta("batchserve:computed_tokens_total", level="default") == 2 * (n_prompt + 4)
     assert delta("batchserve:deadline_wasted_tokens_total", level="default") == 0

@@ -72,3 +72,68 @@ def test_async_engine_loop(make_fake_engine) -> None:
     asyncio.run(scenario())
     assert {o.request_id for o in finished} == {"a", "boom", "ok", "after", "long", "auto"}
     assert steps and all(s.num_seqs >= 1 for s in steps)
+
+
+class LayeredSleepExecutor(FakeExecutor):
+    """Steps of 5 layers of `layer_s` (real time), calling `between_layers` between each two as
+    the model runner does; records each step's requests and whether it ran inside another. The
+    test slows the layers while it posts a request (so that it lands mid-step); a step of that
+    request's sets them back."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.between_layers = None
+        self.depth = 0
+        self.layer_s = 0.004
+        self.ran: list[tuple[list[str], int]] = []
+
+    def execute(self, batch):
+        self.ran.append(([s.request_id for s in batch.seqs], self.depth))
+        if any(s.request_id == "light" for s in batch.seqs):
+            self.layer_s = 0.004
+        self.depth += 1
+        try:
+            for layer in range(5):
+                time.sleep(self.layer_s)
+                if layer < 4 and self.between_layers is not None:
+                    self.between_layers()
+        finally:
+            self.depth -= 1
+        return super().execute(batch)
+
+
+def test_a_light_tenant_starts_between_the_layers_of_a_running_step(make_fake_engine) -> None:
+    """Served: a light tenant's request posted while a step of the heavy tenant's decodes runs
+    is taken in at that step's next pause between layers and runs its first step there; every
+    stream ends with its answer and the step count includes the interjected step."""
+    ex = LayeredSleepExecutor(256)
+    engine = make_fake_engine(num_blocks=256, block_size=4, executor=ex, max_num_seqs=8)
+    steps: list = []
+
+    async def scenario() -> None:
+        ae = AsyncEngine(engine, on_step=steps.append)
+        ae.start()
+        while not ae.ready:
+            await asyncio.sleep(0.001)
+        try:
+            once = await ae.add(RequestSpec(SamplingParams(max_tokens=1), [1, 2, 3], request_id="seen", tenant="light"))
+            await once.collect()
+            heavy = [await ae.add(RequestSpec(SamplingParams(max_tokens=60, ignore_eos=True), [1, 2, 3],
+                                              request_id=f"heavy{i}", tenant="heavy")) for i in range(4)]
+            for _ in range(12):  # the heavy tenant served well past the light one
+                await heavy[0].next()
+            ex.layer_s = 0.2  # the step running now has layers to go: it is still running when the add lands
+            light = await ae.add(RequestSpec(SamplingParams(max_tokens=5, ignore_eos=True), [4, 5, 6],
+                                             request_id="light", tenant="light"))
+            out = await light.collect()
+            assert out.finish_reason == "length" and len(out.token_ids) == 5
+            for h in heavy:
+                out = await h.collect()
+                assert out.finish_reason == "length" and len(out.token_ids) == 60
+        finally:
+            await asyncio.to_thread(ae.shutdown)
+
+    asyncio.run(scenario())
+    first = next((ids, depth) for ids, depth in ex.ran if "light" in ids)
+    assert first == (["light"], 1)  # its first step, alone, inside a heavy step
+    assert engine.scheduler.num_interjections == 1 and len(steps) == len(ex.ran)

@@ -65,7 +65,7 @@ class StepBuilder:
         self._admitted: set[str] = set()  # admitted from the queue this step: never preempted in it
         # a tenant served less starts a request: who sits this step out (Scheduler.fair_yield)
         fair = sched.fair_yield(now) if sched.policy.preemptive else None
-        self._favoured, self._skip = fair if fair is not None else (None, frozenset())
+        self._favoured, self._skip, self._yielding = fair if fair is not None else (None, frozenset(), frozenset())
         self._chunk: int | None = None  # the prompt chunk the policy gave running requests
 
     @property
@@ -188,7 +188,7 @@ class StepBuilder:
                 if cover_prompts else 0]
         it = iter(candidates) if candidates is not None else None
         held: list[Request] = []  # taken out of the queue to look past them; put back below
-        yielding = {(r.level, r.tenant) for r in sched.running if r.request_id in self._skip} if self._skip else ()
+        favoured, yielding = self._favoured, self._yielding
         floor = -1  # a request of this priority or below did not fit: only higher ones may pass
         try:
             while self.budget > 0 and (cap is None or len(self.seqs) < cap):
@@ -197,7 +197,8 @@ class StepBuilder:
                     break
                 if req.group is not None and sched.awaits_copy(req):
                     pass  # another copy is computing its prompt: look past it, holding back no one
-                elif yielding and (req.level, req.tenant) in yielding:
+                elif (yielding and req.tenant in yielding and req.level == favoured.level
+                      and req.priority <= favoured.priority):
                     pass  # its tenant sits this step out: look past it, holding back no one
                 elif req.priority > floor:
                     fit = self._admit_one(req, chunk, whole_prompts, cover_prompts, owed)
@@ -217,9 +218,10 @@ class StepBuilder:
             for req in held:
                 sched.waiting.push(req)
         skip = self._skip
-        if skip and self._favoured.request_id not in self._admitted:  # it could not start: no one sits out
-            self._skip = frozenset()
-            self.running(chunk=self._chunk, select=lambda r: r.request_id in skip)
+        if favoured is not None and favoured.request_id not in self._admitted:  # it could not start: no one sits out
+            self._skip = self._yielding = frozenset()
+            if skip:
+                self.running(chunk=self._chunk, select=lambda r: r.request_id in skip)
 
     def _admit_one(self, req: Request, chunk: int | None, whole_prompts: bool, cover_prompts: bool,
                    owed: list[int]) -> bool | None:

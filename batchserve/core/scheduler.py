@@ -65,10 +65,12 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished: list[Request] = []  # finished since the last drain_finished()
         self._scheduled_at: float | None = None  # when the batch now running was scheduled
+        self._paused_at: float | None = None  # the paused step's _scheduled_at while an interjection runs
         self.parked: dict[str, Request] = {}  # preempted, waiting, still holding their KV blocks (read-only)
         self.groups: dict[str, list[Request]] = {}  # copies of one prompt, live ones, by Request.group
         self.num_preemptions = 0
         self.num_steps = 0
+        self.num_interjections = 0
         self.token_gaps: list[float] = []  # the last update's inter-token latencies, one per token
 
     # --- intake -----------------------------------------------------------------------
@@ -248,14 +250,48 @@ class Scheduler:
         self._scheduled_at = None if batch.empty else now
         return batch
 
+    def interjection(self, now: float, in_flight: set[str] | frozenset[str]) -> ScheduledBatch:
+        """A step to run at once, between two layers of the step in flight (whose requests are
+        `in_flight`), or an empty batch. The one such step: the first of a tenant served less
+        (`fair_yield`'s head), when every request in flight is one that may sit a step out for
+        it or a decode of its own tenant's with no deadline (never another's prompt). Without it that request would wait for the step in flight to end, which, when that
+        step carries the other tenants' prompts, takes as long as its own first step. It takes a
+        free seat and free blocks only and its whole prompt in one step (else no interjection),
+        touches nothing in flight and runs no deadline rule (the next schedule() does). Its
+        update() then charges the step's own time to the latency model, and the paused step's
+        time, when it ends, leaves this one's out."""
+        empty = ScheduledBatch()
+        if not self.config.interject or self._scheduled_at is None or self._paused_at is not None:
+            return empty  # nothing in flight, or an interjection already runs
+        fair = self.fair_yield(now) if self.policy.preemptive else None
+        if fair is None or len(self.running) >= self.config.max_num_seqs:
+            return empty
+        head, skip, _ = fair
+        if not in_flight <= skip.union(r.request_id for r in self.running  # and its tenant's own decodes
+                                       if r.tenant == head.tenant and r.deadline_ms is None and r.output_token_ids):
+            return empty
+        n = head.num_tokens - head.num_computed_tokens
+        if n > self.config.max_num_batched_tokens or self.awaits_copy(head):
+            return empty
+        seq = self.admit(head, n, now)
+        if seq is None:  # its blocks do not fit
+            return empty
+        self.num_interjections += 1
+        self.num_steps += 1
+        self._paused_at, self._scheduled_at = self._scheduled_at, now
+        return ScheduledBatch([seq])
+
     def update(self, batch: ScheduledBatch, output: StepOutput, now: float) -> list[Request]:
         """Apply a step's results at its end `now`: feed the latency model the step's time
         (from its schedule() call), advance counters, append sampled tokens, finish requests
         that hit EOS / a stop token / their length. Returns every request that changed."""
         if self._scheduled_at is not None:
-            self.latency.observe(batch.num_tokens, batch.num_seqs, now - self._scheduled_at)
-            self.deadlines.observe_step(now - self._scheduled_at, now)
+            took = now - self._scheduled_at
+            self.latency.observe(batch.num_tokens, batch.num_seqs, took)
+            self.deadlines.observe_step(took, now)
             self._scheduled_at = None
+            if self._paused_at is not None:  # an interjection ended: the paused step goes on, its time less this
+                self._scheduled_at, self._paused_at = self._paused_at + took, None
         changed: list[Request] = []
         gaps = self.token_gaps = []  # this step's inter-token latencies (StepRecord.token_gaps)
         requests, sampled = self.requests, output.sampled
@@ -388,15 +424,17 @@ class Scheduler:
                 best, best_key = r, key
         return best
 
-    def fair_yield(self, now: float) -> tuple[Request, frozenset[str]] | None:
+    def fair_yield(self, now: float) -> tuple[Request, frozenset[str], frozenset[str]] | None:
         """The step a tenant served less starts its request in: (the queue's head, the running
-        requests that sit this step out) or None. They are the head's equals, running for
-        tenants whose counters exceed the head tenant's by more than the head request's own
-        length, with no deadline, in a level without a time-per-token target. Its first token
-        then costs what it would alone, not a step shared with the backlog of those served more
-        (one step's delay to them, at most once per such arrival); the order alone cannot give
-        that, since a running request decodes every step."""
-        if not self.waiting.fair or not self.running:
+        requests that sit this step out, the tenants whose queued requests it looks past) or
+        None. Those tenants are the head's level's whose counters exceed the head tenant's by
+        more than the head request's own length; their running requests sit out when they are
+        the head's equals with no deadline, in a level without a time-per-token target. Its
+        first token then costs what it would alone, not a step shared with the backlog of those
+        served more (one step's delay to them, at most once per such arrival); the order alone
+        cannot give that, since a running request decodes every step and a queued prompt of
+        theirs would start beside it."""
+        if not self.waiting.fair:
             return None
         head = self.waiting.peek()
         if head is None or head.tenant is None or self.waiting.levels[head.level].tpot_ms is not None:
@@ -404,10 +442,13 @@ class Scheduler:
         level, served = head.level, self.waiting.served  # raw counters, all scaled alike
         length = (head.num_prompt_tokens + head.max_tokens) / self.waiting.decay(now)  # in raw units
         bar = served.get((level, head.tenant), 0.0) + length
+        more = frozenset(t for (lv, t), v in served.items() if lv == level and t != head.tenant and v > bar)
+        if not more:
+            return None
         skip = frozenset(r.request_id for r in self.running
-                         if r.level == level and r.tenant != head.tenant and r.priority <= head.priority
-                         and r.deadline_ms is None and served.get((level, r.tenant), 0.0) > bar)
-        return (head, skip) if skip else None
+                         if r.level == level and r.tenant in more and r.priority <= head.priority
+                         and r.deadline_ms is None)
+        return head, skip, more
 
     def preempt(self, req: Request, keep_kv: bool = False, reason: str = "memory") -> None:
         """Take a running request back to the waiting queue, where it keeps its place.

@@ -225,6 +225,7 @@ class EngineSnapshot:
     kv_free_blocks: int = 0
     kv_blocks: int = 0
     preemptions: int = 0
+    interjections: int = 0  # steps run between two layers of another (Scheduler.interjection)
     prefix_hit_rate: float = 0.0
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
     prefix_hits: int = 0  # of those, found cached

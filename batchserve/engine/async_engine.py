@@ -95,6 +95,8 @@ class AsyncEngine(EngineClient):
         self._stalled_step: float | None = None  # the start of the last step the watchdog failed
         self._died: BaseException | None = None
         self._watchdog: asyncio.Task | None = None
+        self._arrived = False  # an add was posted since the engine thread last looked (between_layers)
+        self._interjecting = False  # the engine thread is inside _between_layers
         self.num_steps = 0  # model steps run (readable from any thread)
         self.stalls = 0  # steps that ran past step_timeout_s
         self.watchdog_failed = 0  # requests failed by the watchdog (a stall or a dead thread)
@@ -277,6 +279,8 @@ class AsyncEngine(EngineClient):
                 return False
             for command in adds:
                 self._posted[command.level] += 1
+            if adds:
+                self._arrived = True
             self._inbox.extend(commands)
             self._cond.notify()
         return True
@@ -354,6 +358,8 @@ class AsyncEngine(EngineClient):
             self._fail_inbox(EngineStoppedError(f"engine failed to start: {e}"))
             self._to_loop(self._on_death, e)  # nothing can ever be served: let the server stop
             return
+        if engine.config.scheduler.interject and hasattr(engine.executor, "between_layers"):
+            engine.executor.between_layers = lambda: self._between_layers(engine)
         self._ready.set()
         try:
             self._serve(engine)
@@ -369,7 +375,7 @@ class AsyncEngine(EngineClient):
             with self._cond:
                 if not self._inbox and not self._stopping and not engine.has_unfinished:
                     self._cond.wait()
-                inbox, self._inbox = self._inbox, []
+                inbox, self._inbox, self._arrived = self._inbox, [], False
                 self._posted.subtract(c.level for c in inbox if isinstance(c, _Add))
                 stopping = self._stopping
             for command in inbox:
@@ -390,6 +396,28 @@ class AsyncEngine(EngineClient):
                 with self._cond:  # nothing ran (e.g. a window is open): don't spin
                     if not self._inbox and not self._stopping:
                         self._cond.wait(_IDLE_POLL_S)
+
+    def _between_layers(self, engine: LLMEngine) -> float:
+        """The model runner's pause between two layers of a step: when adds were posted since
+        the engine thread last looked, take them in now and let the engine run a step for one
+        of them before the paused one goes on (LLMEngine.interject). Other commands wait for
+        the step's end. Returns the seconds spent (0 for the usual flag test)."""
+        if not self._arrived or self._interjecting:
+            return 0.0
+        t0 = time.perf_counter()
+        self._interjecting = True
+        try:
+            with self._cond:
+                adds = [c for c in self._inbox if isinstance(c, _Add)]
+                self._inbox = [c for c in self._inbox if not isinstance(c, _Add)]
+                self._posted.subtract(c.level for c in adds)
+                self._arrived = False
+            for command in adds:
+                self._handle(engine, command)
+            self._step(engine, interject=True)
+        finally:
+            self._interjecting = False
+        return time.perf_counter() - t0
 
     def _publish_hints(self, engine: LLMEngine) -> None:
         """The queue's Retry-After hint for each full level, for refusals on the event loop."""
@@ -417,10 +445,13 @@ class AsyncEngine(EngineClient):
                 return
             self._resolve(command.future, command.spec.request_id)
 
-    def _step(self, engine: LLMEngine) -> bool:
-        """One engine step; True if the model ran (or tried to)."""
+    def _step(self, engine: LLMEngine, interject: bool = False) -> bool:
+        """One engine step (with `interject`, the one LLMEngine.interject may run inside the
+        step running now); True if the model ran (or tried to)."""
         try:
-            step = engine.step()
+            step = engine.interject() if interject else engine.step()
+            if step is None:
+                return False
         except StepFailed as e:  # failed outside the model (the executor's faults are isolated)
             log.exception("engine step failed outside the model; failing requests %s", e.request_ids)
             engine.fail(e.request_ids, "the engine step failed (the server log has the cause)")

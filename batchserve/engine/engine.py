@@ -147,6 +147,8 @@ class LLMEngine:
         self.num_isolated_requests = 0  # requests ended because the executor failed on them alone
         self._compiler = None  # structured outputs: compiles constraints, made on first use
         self._grammars: dict[str, Any] = {}  # request id -> its Grammar, while it runs
+        self._in_flight: frozenset[str] | None = None  # the running step's requests (interject)
+        self._interjected = 0.0  # virtual time: seconds of steps interjected into the running one
 
     @classmethod
     def from_config(cls, config: EngineConfig, clock: Any | None = None) -> "LLMEngine":
@@ -365,6 +367,7 @@ class LLMEngine:
         return EngineSnapshot(
             waiting=sched.waiting.lengths_by_level(), running=len(sched.running), kv_usage=kv.usage,
             kv_free_blocks=kv.num_free_blocks, kv_blocks=kv.num_blocks, preemptions=sched.num_preemptions,
+            interjections=sched.num_interjections,
             prefix_hit_rate=kv.prefix_hit_rate, prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits,
             window_ms=policy.window_ms, max_batch=policy.max_batch,
             queue=sched.waiting.stats(self.clock.now()))
@@ -392,11 +395,41 @@ class LLMEngine:
         A batch the executor fails on is not failed whole: `_execute_isolating` finds the
         requests it fails on and ends only those (finish reason "error"), so one poison request
         never ends another's stream. Raises StepFailed, naming the batch's requests, when the
-        step fails outside the executor (the scheduler's update, detokenizing)."""
+        step fails outside the executor (the scheduler's update, detokenizing). The executor may
+        run a step for another request between two of this one's layers (`interject`); virtual
+        time then counts both."""
         start = self.clock.now() if now is None else now
         batch = self.scheduler.schedule(start)
         if batch.empty:
             return EngineStep(self._outputs([], start))
+        self._in_flight, self._interjected = frozenset(s.request_id for s in batch.seqs), 0.0
+        try:
+            return self._run(batch, start, now)
+        finally:
+            self._in_flight = None
+
+    def interject(self, now: float | None = None) -> EngineStep | None:
+        """From inside a running step (the executor's `between_layers`): run to its end the step
+        the scheduler has for now (Scheduler.interjection), before the paused one goes on. None
+        when it has none. The paused step's requests are untouched: it ends as it would have,
+        later by this step's time. With `now` given, time is virtual as in step()."""
+        if self._in_flight is None:
+            return None
+        start = self.clock.now() if now is None else now
+        batch = self.scheduler.interjection(start, self._in_flight)
+        if batch.empty:
+            return None
+        paused, self._interjected = self._interjected, 0.0
+        try:
+            step = self._run(batch, start, now)
+        finally:
+            self._interjected = paused
+        if now is not None and step.ran is not None:
+            self._interjected += step.ran.step_time
+        return step
+
+    def _run(self, batch: ScheduledBatch, start: float, now: float | None) -> EngineStep:
+        """execute -> update for a scheduled batch (step() and interject())."""
         if self._grammars:  # structured outputs: the tokens each constrained row may sample
             grammars = self._grammars
             for seq in batch.seqs:
@@ -405,7 +438,7 @@ class LLMEngine:
                     seq.allowed = g.mask() if seq.sample else None
         output, culprits = self._execute_isolating(batch)
         try:
-            end = self.clock.now() if now is None else start + output.step_time
+            end = self.clock.now() if now is None else start + output.step_time + self._interjected
             if culprits:
                 self.fail(list(culprits), "the model step failed on this request alone (the server log has the "
                           "cause; the other requests of the step carried on)", end)

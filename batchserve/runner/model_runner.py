@@ -17,7 +17,7 @@ import logging
 import math
 import mmap
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -232,11 +232,29 @@ class ModelRunner:
                            zeroed((self.num_blocks + 1, *v_shape), self.kv_dtype, self.device))
                           for _ in range(self.cfg.num_layers)]
         self.generator = torch.Generator(device=self.device).manual_seed(model_cfg.seed)
+        self._between: Callable[[], float] | None = None
+        self._paused = 0.0  # seconds the step running now spent in between_layers
         log.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s%s)", self.num_blocks,
                  self.block_size, slots, self.num_blocks * per_block / 2**30,
                  "int8" if self.kv_dtype == torch.uint8 else str(self.kv_dtype).split(".")[-1],
                  "; --kv-cache-dtype float32 for an exact float32 cache"
                  if cache_cfg.kv_cache_dtype == "auto" and self.kv_dtype in (torch.float16, torch.uint8) else "")
+
+    @property
+    def between_layers(self) -> Callable[[], float] | None:
+        """Called between two layers of every step while set: it may run whole steps of its own
+        (other requests, their own blocks) before the paused one goes on, which is safe because a
+        step's state between layers is its local tensors and the K/V of its own positions. It
+        returns the seconds it spent; the paused step's `step_time` leaves them out."""
+        return self._between
+
+    @between_layers.setter
+    def between_layers(self, fn: Callable[[], float] | None) -> None:
+        self._between = fn
+        self.model.between_layers = None if fn is None else self._pause
+
+    def _pause(self) -> None:
+        self._paused += self._between()
 
     @property
     def max_model_len(self) -> int:
@@ -314,6 +332,14 @@ class ModelRunner:
 
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         t0 = time.perf_counter()
+        outer, self._paused = self._paused, 0.0  # a step run inside another's pause keeps its own count
+        try:
+            sampled, logprobs, scores = self._sample(batch)
+            return StepOutput(sampled, time.perf_counter() - t0 - self._paused, logprobs, scores or None)
+        finally:
+            self._paused = outer
+
+    def _sample(self, batch: ScheduledBatch) -> tuple[dict[str, int], dict | None, dict]:
         scores: dict = {}
         logits = self.compute_logits(batch, scores)
         seqs = [s for s in batch.seqs if s.sample]
@@ -330,7 +356,7 @@ class ModelRunner:
                     logprobs = {seqs[i].request_id: e for i, e in zip(want, token_logprobs(
                         lp, [toks[i] for i in want], [seqs[i].params.logprobs for i in want]))}
             sampled = {s.request_id: t for s, t in zip(seqs, toks)}
-        return StepOutput(sampled, time.perf_counter() - t0, logprobs, scores or None)
+        return sampled, logprobs, scores
 
     # --- KV hand-off (disaggregated prefill/decode, batchserve.distributed) ---------------
     def _slots(self, block_table: list[int], n: int) -> torch.Tensor:

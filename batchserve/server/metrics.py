@@ -66,6 +66,8 @@ class _SnapshotCollector:
                                 value=s.kv_free_blocks)
         yield GaugeMetricFamily("batchserve:kv_cache_blocks", "KV blocks in the pool", value=s.kv_blocks)
         yield CounterMetricFamily("batchserve:preemptions", "Requests preempted (by recompute)", value=s.preemptions)
+        yield CounterMetricFamily("batchserve:interjected_steps", "Steps run between two layers of a running step, "
+                                  "for a tenant served less", value=s.interjections)
         yield CounterMetricFamily("batchserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                                   value=s.prefix_queries)
         yield CounterMetricFamily("batchserve:prefix_cache_hits", "Prompt tokens found in the prefix cache",

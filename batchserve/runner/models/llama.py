@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -478,6 +478,9 @@ class LlamaModel(nn.Module):
         self.attn_scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim ** -0.5
         self.embed_scale = (None if cfg.embed_scale is None
                             else torch.tensor(cfg.embed_scale, dtype=torch.float32).to(self.embed.dtype))
+        # called after each layer of a forward pass when set; it may run whole forward passes of
+        # its own (other rows, other blocks) before this one goes on (ModelRunner.between_layers)
+        self.between_layers: Callable[[], Any] | None = None
 
     def _pack_prompt_layers(self, cached: dict[str, torch.Tensor] | None) -> list[tuple]:
         """Per layer, the QKV, O, gate/up and down products on bf16 AMX tiles (gemm_amx), packed
@@ -524,6 +527,7 @@ class LlamaModel(nn.Module):
         if self.has_local_rope:
             ropes[True] = self.rope(positions, local=True)
         act = (lambda g: F.gelu(g, approximate="tanh")) if cfg.hidden_act == "gelu_tanh" else F.silu
+        pause = self.between_layers
         x = F.embedding(input_ids, self.embed)  # [T, H]
         if self.embed_scale is not None:
             x = x * self.embed_scale
@@ -559,6 +563,8 @@ class LlamaModel(nn.Module):
             if layer["post_mlp_norm"] is not None:
                 o = rms_norm(o, layer["post_mlp_norm"], eps)
             x = x + o
+            if pause is not None:
+                pause()
         return rms_norm(x, self.norm, eps)
 
     def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta,
@@ -579,6 +585,7 @@ class LlamaModel(nn.Module):
             decode, tables, lens, bsz = meta.kernel.paged_decode, meta.dec_tables, meta.dec_lens, meta.block_size
         mm = self.matmul_dtype
         delta = None
+        pause = self.between_layers
         layers = self._fused_layers()
         if meta.prompt_rows is not None and self.prompt_layers is not None:
             layers = self._prompt_bound(layers, meta.prompt_rows)
@@ -597,6 +604,8 @@ class LlamaModel(nn.Module):
             h = norm(x, delta, mlp_norm, eps, bf)
             gu = gate_up_fn(h)
             delta = gated_fn(gu) if gated_fn is not None else down_fn(silu_mul(gu))
+            if pause is not None:
+                pause()
         return ext.add_rms_norm(x, delta, self.norm, eps, False)
 
     def _fused_layers(self) -> list[tuple]:
