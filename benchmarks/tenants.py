@@ -29,7 +29,9 @@ import tempfile
 from dataclasses import replace
 from typing import Any
 
+import httpx
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 from batchserve.bench.client import ClientConfig, run
 from batchserve.bench.metrics import percentile
@@ -57,6 +59,16 @@ def _send(url: str, work: list[WorkItem]) -> list:
 def _ttft_p99(recs: list, who: str) -> float:
     t = [r.ttft for r in recs if r.cls == who and r.ok and r.ttft is not None]
     return 1000 * (percentile(t, 99) or 0.0)
+
+
+def _interjected(url: str) -> float:
+    """batchserve's count of interjected steps so far (0 for a server without it)."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return 0.0
+    return sum(sm.value for fam in text_string_to_metric_families(text) for sm in fam.samples
+               if sm.name == "batchserve:interjected_steps_total")
 
 
 class _ServerLog:
@@ -105,9 +117,11 @@ def measure(system: str, seed: int, seconds: float, venv: str, model_dir: str) -
         for k in (4, 6):
             heavy = [replace(w, user="heavy") for w in items(poisson(k * LIGHT * cap, seconds, rng), rng, CLASSES)]
             work = sorted(light + heavy, key=lambda w: w.arrival)
+            before = _interjected(url)
             recs = _send(url, work)
             out[f"x{k}"] = {"light_ms": _ttft_p99(recs, "light"), "heavy_ms": _ttft_p99(recs, "heavy"),
-                            "failed": sum(not r.ok for r in recs), **(log.phase() if log is not None else {})}
+                            "failed": sum(not r.ok for r in recs), **(log.phase() if log is not None else {}),
+                            "interjected": _interjected(url) - before, "light_requests": len(light)}
             if system == "batchserve" and k == 6:  # the same run without tenants: arrival order
                 recs = _send(url, [replace(w, user=None, cls=w.user) for w in work])
                 out["x6_no_user"] = {"light_ms": _ttft_p99(recs, "light"), "heavy_ms": _ttft_p99(recs, "heavy"),
@@ -142,6 +156,10 @@ def report(results: list[dict], cmdline: str) -> str:
             lines.append(f"| {r['system']} | " + " | ".join(
                 f"{c['server_ttft_ms']:.0f} (wait {c['queue_ms']:.0f}, rest {c['first_step_ms']:.0f})"
                 if "server_ttft_ms" in c else "—" for c in cells) + " |")
+        lines += ["", "Light requests whose first step was interjected between two layers of a running step: "
+                  + "; ".join(f"{r['system']} {r['x4'].get('interjected', 0):.0f} / {r['x4']['light_requests']} "
+                              f"(4x), {r['x6'].get('interjected', 0):.0f} / {r['x6']['light_requests']} (6x)"
+                              for r in split if "light_requests" in r["x4"]) + "."]
     lines += ["", "<!-- " + json.dumps(results) + " -->", ""]
     return "\n".join(lines)
 

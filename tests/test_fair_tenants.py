@@ -235,11 +235,34 @@ def test_a_light_request_arriving_mid_step_starts_between_its_layers():
     _finish(eng, t + 0.02)
 
 
+def test_with_every_seat_taken_an_interjection_takes_the_seat_the_next_step_would_give():
+    """Seats full of the heavy tenant's requests: the interjected step preempts one of them (the
+    fairness victim, keeping its blocks) for the light request's seat; the token that request
+    had in flight is dropped and computed again when it resumes, so every answer comes out as
+    it would have."""
+    eng = _engine(seats=4)
+    t, heavy = _heavy_running(eng)
+    n = len(eng.executor.batches)
+    light, (step,) = _light_mid_step(eng, t)
+    assert step is not None and [s.request_id for s in eng.executor.batches[n + 1].seqs] == [light]
+    (victim,) = [r for r in map(eng.scheduler.requests.get, heavy) if r.status.name != "RUNNING"]
+    assert victim.status.name == "WAITING" and eng.kv.has(victim.request_id)  # kept its blocks
+    assert eng.scheduler.waiting.stats(t).preemptions["fairness"] == 1
+    outs = {}
+    while eng.has_unfinished:
+        t += 0.02
+        eng.executor.at = t
+        outs.update({o.request_id: o for o in eng.step(now=t).outputs if o.finished})
+    for rid in heavy:  # FakeExecutor's token follows from its position: a lost or doubled one would show
+        assert outs[rid].token_ids == [p % 1000 + 3 for p in range(16, 416)], rid
+    eng.kv.check_all_free()
+
+
 @pytest.mark.parametrize("case", ["deadline", "priority", "prompt", "seats", "off"])
 def test_no_interjection_when_a_request_in_flight_may_not_wait_or_none_is_wanted(case):
     """In flight a request with a deadline, or of a higher priority than the light request, or
-    the light tenant's own prompt; or no free seat, or the switch off: the step runs to its end
-    and the light request goes on as before."""
+    the light tenant's own prompt; or no free seat and no preemption for fairness (no priority
+    gap), or the switch off: the step runs to its end and the light request goes on as before."""
     eng = _engine(seats=4 if case == "seats" else 8, interject=case != "off", preempt_gap=0 if case == "seats" else 1)
     t, heavy = _heavy_running(eng, deadline_ms=60_000.0 if case == "deadline" else None)
     if case in ("priority", "prompt"):

@@ -253,33 +253,52 @@ class Scheduler:
     def interjection(self, now: float, in_flight: set[str] | frozenset[str]) -> ScheduledBatch:
         """A step to run at once, between two layers of the step in flight (whose requests are
         `in_flight`), or an empty batch. The one such step: the first of a tenant served less
-        (`fair_yield`'s head), when every request in flight is one that may sit a step out for
-        it or a decode of its own tenant's with no deadline (never another's prompt). Without it that request would wait for the step in flight to end, which, when that
-        step carries the other tenants' prompts, takes as long as its own first step. It takes a
-        free seat and free blocks only and its whole prompt in one step (else no interjection),
-        touches nothing in flight and runs no deadline rule (the next schedule() does). Its
-        update() then charges the step's own time to the latency model, and the paused step's
-        time, when it ends, leaves this one's out."""
+        (`fair_yield`'s head, and the heads after it that qualify in turn), when every request in flight is one that may sit a step out for
+        it or a decode of its own tenant's with no deadline (never another's prompt). Without
+        it that request would wait for the step in flight to end, which, when that step carries
+        the other tenants' prompts, takes as long as its own first step. Its whole prompt must
+        fit one step and the free blocks (else no interjection); with every seat taken it takes
+        the seat the next step would give it (`fair_victim`, among those that may sit out, is
+        preempted keeping its blocks: the token it has in flight is dropped and computed again
+        when it resumes). Nothing else in flight is touched and no deadline rule runs (the next
+        schedule() does). Its update() charges this step's own time to the latency model, and
+        the paused step's time, when it ends, leaves this one's out."""
         empty = ScheduledBatch()
         if not self.config.interject or self._scheduled_at is None or self._paused_at is not None:
             return empty  # nothing in flight, or an interjection already runs
-        fair = self.fair_yield(now) if self.policy.preemptive else None
-        if fair is None or len(self.running) >= self.config.max_num_seqs:
-            return empty
-        head, skip, _ = fair
-        if not in_flight <= skip.union(r.request_id for r in self.running  # and its tenant's own decodes
-                                       if r.tenant == head.tenant and r.deadline_ms is None and r.output_token_ids):
-            return empty
-        n = head.num_tokens - head.num_computed_tokens
-        if n > self.config.max_num_batched_tokens or self.awaits_copy(head):
-            return empty
-        seq = self.admit(head, n, now)
-        if seq is None:  # its blocks do not fit
+        seqs: list[ScheduledSeq] = []
+        budget = self.config.max_num_batched_tokens
+        while self.policy.preemptive and (seq := self._interject_one(now, in_flight, budget)) is not None:
+            seqs.append(seq)  # the next head, too, while it qualifies (such requests start together)
+            budget -= seq.num_tokens
+        if not seqs:
             return empty
         self.num_interjections += 1
         self.num_steps += 1
         self._paused_at, self._scheduled_at = self._scheduled_at, now
-        return ScheduledBatch([seq])
+        return ScheduledBatch(seqs)
+
+    def _interject_one(self, now: float, in_flight: set[str] | frozenset[str], budget: int) -> ScheduledSeq | None:
+        """Admit the queue's head for an interjection (see there) within `budget` tokens, or None."""
+        fair = self.fair_yield(now)
+        if fair is None:
+            return None
+        head, skip, _ = fair
+        may_wait = skip.union(r.request_id for r in self.running  # and its tenant's own decodes
+                              if r.tenant == head.tenant and r.deadline_ms is None and r.output_token_ids)
+        requests = self.requests
+        if any(rid not in may_wait and rid in requests and requests[rid].status is _RUNNING for rid in in_flight):
+            return None  # (one preempted or ended since the step began has no result to wait for)
+        n = head.num_tokens - head.num_computed_tokens
+        if (n > budget or self.awaits_copy(head)
+                or self.kv.num_free_blocks < self.kv.num_blocks_needed(head.request_id, head.num_tokens)):
+            return None
+        if len(self.running) >= self.config.max_num_seqs:  # a seat, as the next step would free it
+            victim = self.fair_victim(head, now, frozenset(r.request_id for r in self.running) - skip)
+            if victim is None:
+                return None
+            self.preempt(victim, keep_kv=True, reason="fairness")  # its token in flight is dropped
+        return self.admit(head, n, now)
 
     def update(self, batch: ScheduledBatch, output: StepOutput, now: float) -> list[Request]:
         """Apply a step's results at its end `now`: feed the latency model the step's time

@@ -1,0 +1,118 @@
+"""Cascading live on this CPU: one trace through `continuous`, `chunked`, `cascade` (prefill and
+decode steps taking turns in one process) and `cascade --cascade-workers` (the two stages in two
+worker processes, K/V handed across), all with the same seats.
+
+    python -m benchmarks.cascade_live [--out BENCHMARKS.md] [--rounds 2]
+
+Each layout is `batchserve serve --policy P --max-num-seqs SEATS` (cascade: `--decode-max-batch
+SEATS` too, so that its decode stage has the seats the others have), started one at a time on
+the same cores, the order rotating between rounds, and sent (after a 4-request warm-up) the
+workload of benchmarks.vs_vllm: the 64-request burst at t = 0, then a Poisson load at `--load`
+of the slowest layout's burst throughput (set after a first, burst-only round). Reported per
+layout (medians over rounds): output tok/s, TTFT P50 / P99, time per output token P50 / P99 (each
+request's mean gap after its first token) and E2E P99, latencies in ms over completed requests.
+Reporting around the engine, not part of it.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+
+import numpy as np
+
+from batchserve.bench.arrivals import poisson
+from batchserve.bench.client import ClientConfig, run
+from batchserve.bench.metrics import percentile
+from batchserve.bench.workload import WorkItem
+from benchmarks.foundation import offline_workload
+from benchmarks.report_md import publish
+from benchmarks.servers import start_batchserve, started
+from benchmarks.vs_vllm import VOCAB
+
+TITLE = "## Cascading live on one CPU: cascade and two cascade workers against continuous and chunked"
+LAYOUTS = {
+    "continuous": ["--policy", "continuous"],
+    "chunked": ["--policy", "chunked"],
+    "cascade": ["--policy", "cascade"],
+    "cascade, 2 workers": ["--policy", "cascade", "--cascade-workers"],
+}
+
+
+def measure(items: list[WorkItem], url: str) -> dict:
+    res = run(items, ClientConfig(url, progress=False, extensions=False))
+    ok = [r for r in res.records if r.ok]
+    ms = lambda xs, q: None if not xs else 1000.0 * percentile(xs, q)  # noqa: E731
+    tpot = [r.tpot for r in ok if r.tpot is not None]
+    return {"ok": len(ok), "n": len(items), "tok_s": sum(r.output_tokens for r in res.records) / res.duration_s,
+            "ttft_p50": ms([r.ttft for r in ok], 50), "ttft_p99": ms([r.ttft for r in ok], 99),
+            "tpot_p50": ms(tpot, 50), "tpot_p99": ms(tpot, 99), "e2e_p99": ms([r.e2e for r in ok], 99)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=None, help="write the section into this Markdown file")
+    p.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated, from: " + ", ".join(LAYOUTS))
+    p.add_argument("--seats", type=int, default=64, help="--max-num-seqs of every layout")
+    p.add_argument("--requests", type=int, default=64, help="burst: requests sent at t = 0")
+    p.add_argument("--poisson-requests", type=int, default=64)
+    p.add_argument("--load", type=float, default=0.7, help="Poisson rate: this fraction of the slowest burst rate")
+    p.add_argument("--rounds", type=int, default=1, help="rounds with the Poisson load (a burst-only one comes first)")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+
+    names = a.layouts.split(",")
+    burst = [WorkItem(0.0, len(ids), None, ids, m) for ids, m in offline_workload(a.requests, a.seed, VOCAB)]
+    pwork = offline_workload(a.poisson_requests, a.seed + 1, VOCAB)
+    mean_out = float(np.mean([m for _, m in pwork]))
+    arrivals = poisson(len(pwork), 1.0, np.random.default_rng(a.seed + 2))
+    rows: list[tuple[int, str, dict]] = []
+    rate = None
+    for r in range(a.rounds + 1):
+        if r == 1:
+            rate = a.load * min(res["burst"]["tok_s"] for _, _, res in rows) / mean_out
+        pois = None if rate is None else [WorkItem(float(t / rate), len(ids), None, ids, m)
+                                          for t, (ids, m) in zip(arrivals, pwork)]
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            args = [*LAYOUTS[name], "--max-num-seqs", str(a.seats)]
+            if "cascade" in args:
+                args += ["--decode-max-batch", str(a.seats)]
+            with started(start_batchserve(extra_args=args), 600.0) as s:
+                run(burst[:4], ClientConfig(s.url, progress=False, extensions=False))
+                res = {"burst": measure(burst, s.url)}
+                if pois is not None:
+                    res["poisson"] = measure(pois, s.url)
+            rows.append((r, name, res))
+            print(f"round {r} {name}: burst {res['burst']['tok_s']:.1f} tok/s"
+                  + (f", Poisson TPOT P99 {res['poisson']['tpot_p99']:.1f} ms" if pois else ""), file=sys.stderr)
+
+    def med(xs: list) -> float | None:
+        xs = [x for x in xs if x is not None]
+        return statistics.median(xs) if xs else None
+
+    f = lambda x, fmt=".0f": "–" if x is None else format(x, fmt)  # noqa: E731
+    with open("/proc/cpuinfo") as fh:
+        cpu = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), "?")
+    lines = [TITLE, "", f"`python -m benchmarks.cascade_live {' '.join(argv)}` — "
+             f"{datetime.datetime.now():%Y-%m-%d %H:%M}, {cpu}, {os.cpu_count()} cores; {a.seats} seats each; "
+             f"burst: {len(burst)} requests at t = 0; Poisson: {len(pwork)} requests at {f(rate, '.2f')} req/s "
+             f"({a.load} of the slowest burst rate; mean output {mean_out:.0f} tokens); medians over "
+             f"{a.rounds + 1} burst and {a.rounds} Poisson runs; latencies in ms.", "",
+             "| layout | burst tok/s | burst TTFT P50 / P99 | Poisson tok/s | Poisson TTFT P50 / P99 | "
+             "Poisson TPOT P50 / P99 | Poisson E2E P99 |", "|---|---|---|---|---|---|---|"]
+    for name in names:
+        b = [res["burst"] for _, n, res in rows if n == name]
+        q = [res["poisson"] for _, n, res in rows if n == name and "poisson" in res]
+        m = lambda xs, k: med([x[k] for x in xs])  # noqa: E731
+        lines.append(f"| {name} | {f(m(b, 'tok_s'), '.1f')} | {f(m(b, 'ttft_p50'))} / {f(m(b, 'ttft_p99'))} "
+                     f"| {f(m(q, 'tok_s'), '.1f')} | {f(m(q, 'ttft_p50'))} / {f(m(q, 'ttft_p99'))} "
+                     f"| {f(m(q, 'tpot_p50'), '.1f')} / {f(m(q, 'tpot_p99'), '.1f')} | {f(m(q, 'e2e_p99'))} |")
+    lines.append("")
+    return publish("\n".join(lines), a.out, TITLE)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
