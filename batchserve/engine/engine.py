@@ -147,7 +147,7 @@ class LLMEngine:
         self.num_isolated_requests = 0  # requests ended because the executor failed on them alone
         self._compiler = None  # structured outputs: compiles constraints, made on first use
         self._grammars: dict[str, Any] = {}  # request id -> its Grammar, while it runs
-        self._in_flight: frozenset[str] | None = None  # the running step's requests (interject)
+        self._in_flight: ScheduledBatch | None = None  # the running step's batch (interject)
         self._interjected = 0.0  # virtual time: seconds of steps interjected into the running one
 
     @classmethod
@@ -402,7 +402,7 @@ class LLMEngine:
         batch = self.scheduler.schedule(start)
         if batch.empty:
             return EngineStep(self._outputs([], start))
-        self._in_flight, self._interjected = frozenset(s.request_id for s in batch.seqs), 0.0
+        self._in_flight, self._interjected = batch, 0.0
         try:
             return self._run(batch, start, now)
         finally:
@@ -416,7 +416,7 @@ class LLMEngine:
         if self._in_flight is None:
             return None
         start = self.clock.now() if now is None else now
-        batch = self.scheduler.interjection(start, self._in_flight)
+        batch = self.scheduler.interjection(start, {s.request_id for s in self._in_flight.seqs})
         if batch.empty:
             return None
         paused, self._interjected = self._interjected, 0.0
