@@ -37,7 +37,7 @@ LAYOUTS = {
     "continuous": ["--policy", "continuous"],
     "chunked": ["--policy", "chunked"],
     "cascade": ["--policy", "cascade"],
-    "cascade, 2 workers": ["--policy", "cascade", "--cascade-workers"],
+    "cascade-workers": ["--policy", "cascade", "--cascade-workers"],
 }
 
 
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     f = lambda x, fmt=".0f": "–" if x is None else format(x, fmt)  # noqa: E731
     with open("/proc/cpuinfo") as fh:
         cpu = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), "?")
-    lines = [TITLE, "", f"`python -m benchmarks.cascade_live {' '.join(argv)}` — "
+    lines = [TITLE, "", f"`{' '.join(['python -m benchmarks.cascade_live', *argv])}` — "
              f"{datetime.datetime.now():%Y-%m-%d %H:%M}, {cpu}, {os.cpu_count()} cores; {a.seats} seats each; "
              f"burst: {len(burst)} requests at t = 0; Poisson: {len(pwork)} requests at {f(rate, '.2f')} req/s "
              f"({a.load} of the slowest burst rate; mean output {mean_out:.0f} tokens); medians over "
