@@ -102,12 +102,19 @@ class LayeredSleepExecutor(FakeExecutor):
         return super().execute(batch)
 
 
-def test_a_light_tenant_starts_between_the_layers_of_a_running_step(make_fake_engine) -> None:
+@pytest.mark.parametrize("broken", [False, True])
+def test_a_light_tenant_starts_between_the_layers_of_a_running_step(make_fake_engine, broken) -> None:
     """Served: a light tenant's request posted while a step of the heavy tenant's decodes runs
     is taken in at that step's next pause between layers and runs its first step there; every
-    stream ends with its answer and the step count includes the interjected step."""
+    stream ends with its answer and the step count includes the interjected step. `broken`:
+    choosing the step to interject raises; nothing is failed (the paused step still writes its
+    requests' blocks) and the light request runs after the step, as without interjection."""
     ex = LayeredSleepExecutor(256)
     engine = make_fake_engine(num_blocks=256, block_size=4, executor=ex, max_num_seqs=8)
+    if broken:
+        def boom(now, in_flight):
+            raise RuntimeError("injected")
+        engine.scheduler.interjection = boom
     steps: list = []
 
     async def scenario() -> None:
@@ -135,5 +142,5 @@ def test_a_light_tenant_starts_between_the_layers_of_a_running_step(make_fake_en
 
     asyncio.run(scenario())
     first = next((ids, depth) for ids, depth in ex.ran if "light" in ids)
-    assert first == (["light"], 1)  # its first step, alone, inside a heavy step
-    assert engine.scheduler.num_interjections == 1 and len(steps) == len(ex.ran)
+    assert first == (["light"], 0 if broken else 1)  # its first step, alone, inside a heavy step (or after it)
+    assert engine.scheduler.num_interjections == (0 if broken else 1) and len(steps) == len(ex.ran)

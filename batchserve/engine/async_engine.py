@@ -457,6 +457,9 @@ class AsyncEngine(EngineClient):
             engine.fail(e.request_ids, "the engine step failed (the server log has the cause)")
             return True
         except Exception:  # noqa: BLE001 - failed outside the model: end what it may have touched
+            if interject:  # before any step ran: the paused step still writes its requests' blocks, so
+                log.exception("choosing a step to interject failed; requests wait for the running step's end")
+                return False  # none is freed now; what was admitted runs in the next step as usual
             sched = engine.scheduler
             rids = [r.request_id for r in sched.running] or list(sched.requests)
             log.exception("engine step failed; failing requests %s", rids)
