@@ -61,14 +61,17 @@ def _ttft_p99(recs: list, who: str) -> float:
     return 1000 * (percentile(t, 99) or 0.0)
 
 
-def _interjected(url: str) -> float:
-    """batchserve's count of interjected steps so far (0 for a server without it)."""
+def _metric(url: str, name: str) -> float:
+    """A batchserve metric's value summed over its labels (0 for a server without it)."""
     try:
         text = httpx.get(url + "/metrics", timeout=10).text
     except httpx.HTTPError:
         return 0.0
-    return sum(sm.value for fam in text_string_to_metric_families(text) for sm in fam.samples
-               if sm.name == "batchserve:interjected_steps_total")
+    return sum(sm.value for fam in text_string_to_metric_families(text) for sm in fam.samples if sm.name == name)
+
+
+def _interjected(url: str) -> float:
+    return _metric(url, "batchserve:interjected_steps_total")
 
 
 class _ServerLog:
@@ -121,7 +124,8 @@ def measure(system: str, seed: int, seconds: float, venv: str, model_dir: str) -
             recs = _send(url, work)
             out[f"x{k}"] = {"light_ms": _ttft_p99(recs, "light"), "heavy_ms": _ttft_p99(recs, "heavy"),
                             "failed": sum(not r.ok for r in recs), **(log.phase() if log is not None else {}),
-                            "interjected": _interjected(url) - before, "light_requests": len(light)}
+                            "interjected": _interjected(url) - before, "light_requests": len(light),
+                            "kv_in_use": _metric(url, "batchserve:kv_cache_usage")}  # every request has ended
             if system == "batchserve" and k == 6:  # the same run without tenants: arrival order
                 recs = _send(url, [replace(w, user=None, cls=w.user) for w in work])
                 out["x6_no_user"] = {"light_ms": _ttft_p99(recs, "light"), "heavy_ms": _ttft_p99(recs, "heavy"),
@@ -156,6 +160,8 @@ def report(results: list[dict], cmdline: str) -> str:
             lines.append(f"| {r['system']} | " + " | ".join(
                 f"{c['server_ttft_ms']:.0f} (wait {c['queue_ms']:.0f}, rest {c['first_step_ms']:.0f})"
                 if "server_ttft_ms" in c else "—" for c in cells) + " |")
+        lines += ["", "KV cache in use after each phase, every request ended: " + "; ".join(
+            f"{r['system']} {r['x4'].get('kv_in_use', 0):.0%} / {r['x6'].get('kv_in_use', 0):.0%}" for r in split) + "."]
         lines += ["", "Light requests whose first step was interjected between two layers of a running step: "
                   + "; ".join(f"{r['system']} {r['x4'].get('interjected', 0):.0f} / {r['x4']['light_requests']} "
                               f"(4x), {r['x6'].get('interjected', 0):.0f} / {r['x6']['light_requests']} (6x)"
