@@ -35,7 +35,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from batchserve.config import LevelConfig, QueueConfig
 from batchserve.core.stats import QueueMetrics, QueueStats
@@ -316,6 +316,10 @@ class AdmissionQueue:
             req = self._oldest_of(name)
             oldest[name] = max(0.0, now - req.arrival_time) if req is not None else 0.0
         return self.metrics.snapshot(self.lengths_by_level(), dict(self._urgent), oldest)
+
+    def queued_tenants(self) -> Iterable[_TenantKey]:
+        """The (level, tenant) of every named tenant with requests in the queue."""
+        return self._backlog.keys()
 
     # --- internals ---------------------------------------------------------------------------
     def _valid(self, req: Request, tok: int) -> bool:

@@ -253,9 +253,9 @@ class Scheduler:
     def interjection(self, now: float, in_flight: set[str] | frozenset[str]) -> ScheduledBatch:
         """A step to run at once, between two layers of the step in flight (whose requests are
         `in_flight`), or an empty batch. The one such step: the first of a tenant served less
-        (`fair_yield`'s head, and the heads after it that qualify in turn), when every request in flight is one that may sit a step out for
-        it or a decode of its own tenant's with no deadline (never another's prompt). Without
-        it that request would wait for the step in flight to end, which, when that step carries
+        (`fair_yield`'s head, and the heads after it that qualify in turn), when every request
+        in flight is one that may sit a step out for it or a decode of its own tenant's with no
+        deadline (never another's prompt). Without it that request would wait for the step in flight to end, which, when that step carries
         the other tenants' prompts, takes as long as its own first step. Its whole prompt must
         fit one step and the free blocks (else no interjection); with every seat taken it takes
         the seat the next step would give it (`fair_victim`, among those that may sit out, is
@@ -461,7 +461,9 @@ class Scheduler:
         level, served = head.level, self.waiting.served  # raw counters, all scaled alike
         length = (head.num_prompt_tokens + head.max_tokens) / self.waiting.decay(now)  # in raw units
         bar = served.get((level, head.tenant), 0.0) + length
-        more = frozenset(t for (lv, t), v in served.items() if lv == level and t != head.tenant and v > bar)
+        near = {r.tenant for r in self.running if r.level == level}  # tenants with work here, not all ever seen
+        near.update(t for lv, t in self.waiting.queued_tenants() if lv == level)
+        more = frozenset(t for t in near if t is not None and t != head.tenant and served.get((level, t), 0.0) > bar)
         if not more:
             return None
         skip = frozenset(r.request_id for r in self.running
