@@ -72,6 +72,22 @@ def test_a_tenant_that_arrives_late_is_not_owed_the_service_others_got_meanwhile
     assert late["light"] <= 1.2 * alone["light"], (late, alone)
 
 
+def test_a_tenant_on_a_clock_far_from_zero_is_served():
+    """The served engine's clock is monotonic time, a day or more on a machine that has been up
+    that long: the tenants' decay factor at the first step is then below the smallest float,
+    and the first tenant's request must still run (no division by it)."""
+    cfg = EngineConfig(cache=CacheConfig(block_size=16, num_blocks=64))
+    eng = LLMEngine(cfg, FakeExecutor(64, step_time=0.01), clock=SimClock())
+    t = 200_000.0
+    eng.add_request([1] * 8, SamplingParams(max_tokens=4, ignore_eos=True), now=t, tenant="alice")
+    done = []
+    while eng.has_unfinished:
+        done += [o for o in eng.step(now=t).outputs if o.finished]
+        t += 0.01
+    assert [o.finish_reason for o in done] == ["length"] and len(done[0].token_ids) == 4
+    eng.kv.check_all_free()
+
+
 def _heavy_then_light(seats: int = 8, deadline_ms: float | None = None, queue: QueueConfig | None = None, **sched):
     """The heavy tenant runs 4 long requests; the light one, served once before, sends one more
     at t = 1 s. Returns (the engine, the light request's id, the heavy requests' ids)."""

@@ -459,7 +459,10 @@ class Scheduler:
         if head is None or head.tenant is None or self.waiting.levels[head.level].tpot_ms is not None:
             return None
         level, served = head.level, self.waiting.served  # raw counters, all scaled alike
-        length = (head.num_prompt_tokens + head.max_tokens) / self.waiting.decay(now)  # in raw units
+        f = self.waiting.decay(now)
+        if f == 0.0:  # every counter has decayed away (none credited for hundreds of memories)
+            return None
+        length = (head.num_prompt_tokens + head.max_tokens) / f  # in raw units
         bar = served.get((level, head.tenant), 0.0) + length
         near = {r.tenant for r in self.running if r.level == level}  # tenants with work here, not all ever seen
         near.update(t for lv, t in self.waiting.queued_tenants() if lv == level)
