@@ -25,12 +25,11 @@ import numpy as np
 
 from batchserve.bench.arrivals import poisson
 from batchserve.bench.client import ClientConfig, run
-from batchserve.bench.metrics import percentile
 from batchserve.bench.workload import WorkItem
 from benchmarks.foundation import offline_workload
 from benchmarks.report_md import publish
 from benchmarks.servers import start_batchserve, started
-from benchmarks.vs_vllm import VOCAB
+from benchmarks.vs_vllm import VOCAB, measure
 
 TITLE = "## Cascading live on one CPU: cascade and two cascade workers against continuous and chunked"
 LAYOUTS = {
@@ -39,16 +38,6 @@ LAYOUTS = {
     "cascade": ["--policy", "cascade"],
     "cascade-workers": ["--policy", "cascade", "--cascade-workers"],
 }
-
-
-def measure(items: list[WorkItem], url: str) -> dict:
-    res = run(items, ClientConfig(url, progress=False, extensions=False))
-    ok = [r for r in res.records if r.ok]
-    ms = lambda xs, q: None if not xs else 1000.0 * percentile(xs, q)  # noqa: E731
-    tpot = [r.tpot for r in ok if r.tpot is not None]
-    return {"ok": len(ok), "n": len(items), "tok_s": sum(r.output_tokens for r in res.records) / res.duration_s,
-            "ttft_p50": ms([r.ttft for r in ok], 50), "ttft_p99": ms([r.ttft for r in ok], 99),
-            "tpot_p50": ms(tpot, 50), "tpot_p99": ms(tpot, 99), "e2e_p99": ms([r.e2e for r in ok], 99)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,9 +71,9 @@ def main(argv: list[str] | None = None) -> int:
                 args += ["--decode-max-batch", str(a.seats)]
             with started(start_batchserve(extra_args=args), 600.0) as s:
                 run(burst[:4], ClientConfig(s.url, progress=False, extensions=False))
-                res = {"burst": measure(burst, s.url)}
+                res = {"burst": measure(burst, s.url, s.proc.pid)}
                 if pois is not None:
-                    res["poisson"] = measure(pois, s.url)
+                    res["poisson"] = measure(pois, s.url, s.proc.pid)
             rows.append((r, name, res))
             print(f"round {r} {name}: burst {res['burst']['tok_s']:.1f} tok/s"
                   + (f", Poisson TPOT P99 {res['poisson']['tpot_p99']:.1f} ms" if pois else ""), file=sys.stderr)

@@ -70,10 +70,6 @@ def _metric(url: str, name: str) -> float:
     return sum(sm.value for fam in text_string_to_metric_families(text) for sm in fam.samples if sm.name == name)
 
 
-def _interjected(url: str) -> float:
-    return _metric(url, "batchserve:interjected_steps_total")
-
-
 class _ServerLog:
     """The light tenant's lines in batchserve's log, phase by phase."""
 
@@ -120,11 +116,11 @@ def measure(system: str, seed: int, seconds: float, venv: str, model_dir: str) -
         for k in (4, 6):
             heavy = [replace(w, user="heavy") for w in items(poisson(k * LIGHT * cap, seconds, rng), rng, CLASSES)]
             work = sorted(light + heavy, key=lambda w: w.arrival)
-            before = _interjected(url)
+            before = _metric(url, "batchserve:interjected_steps_total")
             recs = _send(url, work)
             out[f"x{k}"] = {"light_ms": _ttft_p99(recs, "light"), "heavy_ms": _ttft_p99(recs, "heavy"),
                             "failed": sum(not r.ok for r in recs), **(log.phase() if log is not None else {}),
-                            "interjected": _interjected(url) - before, "light_requests": len(light),
+                            "interjected": _metric(url, "batchserve:interjected_steps_total") - before, "light_requests": len(light),
                             "kv_in_use": _metric(url, "batchserve:kv_cache_usage")}  # every request has ended
             if system == "batchserve" and k == 6:  # the same run without tenants: arrival order
                 recs = _send(url, [replace(w, user=None, cls=w.user) for w in work])

@@ -57,6 +57,8 @@ def measure(items: list[WorkItem], url: str, pid: int) -> dict:
     return {"ok": len(ok), "n": len(items), "tokens": tokens, "seconds": res.duration_s,
             "tok_s": tokens / res.duration_s, "ttft_p50": ms([r.ttft for r in ok], 50),
             "ttft_p99": ms([r.ttft for r in ok], 99), "e2e_p99": ms([r.e2e for r in ok], 99),
+            "tpot_p50": ms([r.tpot for r in ok if r.tpot is not None], 50),
+            "tpot_p99": ms([r.tpot for r in ok if r.tpot is not None], 99),
             "rss_peak": rss.peak, "errors": sorted({r.error for r in res.records if not r.ok and r.error})[:3]}
 
 
