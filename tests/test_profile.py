@@ -210,3 +210,23 @@ def test_a_bad_fit_is_warned_about():
                 max_batch_by_context={"16": 10})
     text = report(prof)
     assert "WARNING: fit error is large" in text and "knee: batch" in text and "--max-num-seqs" in text
+
+
+def test_profiled_decodes_are_decodes_to_the_runner():
+    """The runner sends the rows of requests that have not generated yet down the prompt path
+    (AMX tiles where the CPU has them) and the rest down the decode path: a profile's decode
+    rows must take the decode path, or its decode times are a prompt path's at one row."""
+    from types import SimpleNamespace
+
+    from batchserve.runner.attention import ALL_ROWS, split_rows
+    from batchserve.runner.profiler import build_batch
+
+    runner = SimpleNamespace(block_size=16, num_blocks=1000, cfg=SimpleNamespace(vocab_size=512))
+
+    def prompt_rows(batch):  # the runner's rule (ModelRunner.execute)
+        return split_rows([(len(s.token_ids), s.output_index == 0) for s in batch.seqs])
+
+    assert prompt_rows(build_batch(runner, [], [128] * 4)) is None
+    assert prompt_rows(build_batch(runner, [(0, 64), (64, 32)], [])) is ALL_ROWS
+    mine, rest = prompt_rows(build_batch(runner, [(0, 64)], [100, 200]))
+    assert (mine, rest) == (slice(0, 64), slice(64, 66))

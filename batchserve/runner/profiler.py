@@ -79,9 +79,11 @@ def knee(batch_sizes: list[int], throughputs: list[float], min_gain: float = 0.1
 
 
 # --- measurement -----------------------------------------------------------------------------
-def _seq(rid: str, n: int, start: int, table: list[int], vocab: int) -> ScheduledSeq:
+def _seq(rid: str, n: int, start: int, table: list[int], vocab: int, decode: bool = False) -> ScheduledSeq:
+    """A prompt chunk, or (`decode`) a decode: one that has generated a token, which the runner
+    multiplies as the engine's decodes (never on the prompt path, e.g. AMX tiles)."""
     toks = [(start + i) * 7919 % vocab for i in range(n)]
-    return ScheduledSeq(rid, toks, start, table, True, _GREEDY, 0)
+    return ScheduledSeq(rid, toks, start, table, True, _GREEDY, int(decode))
 
 
 def build_batch(runner, prefills: list[tuple[int, int]], decode_ctx: list[int]) -> ScheduledBatch | None:
@@ -97,7 +99,7 @@ def build_batch(runner, prefills: list[tuple[int, int]], decode_ctx: list[int]) 
         seqs.append(_seq(f"p{i}", n, s, list(range(nxt, nxt + k)), vocab))
         nxt += k
     for i, (c, k) in enumerate(zip(decode_ctx, need[len(prefills):])):
-        seqs.append(_seq(f"d{i}", 1, c, list(range(nxt, nxt + k)), vocab))
+        seqs.append(_seq(f"d{i}", 1, c, list(range(nxt, nxt + k)), vocab, decode=True))
         nxt += k
     return ScheduledBatch(seqs)
 
