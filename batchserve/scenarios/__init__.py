@@ -7,20 +7,67 @@ row (does the change go the seed's way?) and notes on why the numbers differ. No
 tuned to match: loads are set from the engine's own measured capacity, by a rule stated in
 each scenario's setup line.
 
+A `Backend` runs the same scenarios elsewhere: on another cost model, or (given a `run`
+that drives a real engine on the wall clock and returns a SimResult) live, with fewer and
+shorter requests (`size`, `scale`) so that a slow machine finishes in minutes. The loads
+follow that backend's own measured capacity, by the same rules.
+
 These live outside `sim/` because they name policies; the simulator itself knows none.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
+from batchserve.bench.workload import WorkItem
+from batchserve.config import EngineConfig
 from batchserve.core.policies import POLICIES
+from batchserve.sim.cost import CostModel
 from batchserve.sim.simulator import SimResult
+
+RunFn = Callable[[EngineConfig, Sequence[WorkItem], "float | None"], SimResult]  # (config, items, slo_ms)
 
 
 class ScenarioUnavailable(ValueError):
     """A scenario needs a policy that is not registered (yet)."""
+
+
+@dataclass(frozen=True)
+class Backend:
+    """Where a scenario's runs happen. `run(config, items, slo_ms)` returns each run's
+    SimResult; None: the simulator on `cost`, or on the scenario's own cost model (the A100
+    roofline) when `cost` is None too. `size` multiplies every request count and `scale`
+    every mix's lengths (prompts and outputs). `label` heads the result columns."""
+
+    label: str = "sim"
+    cost: CostModel | None = None
+    run: RunFn | None = None
+    size: float = 1.0
+    scale: float = 1.0
+
+    def runner(self, default_cost: Callable[[], CostModel]) -> RunFn:
+        if self.run is not None:
+            return self.run
+        from batchserve.sim.runner import simulate
+
+        cost = self.cost or default_cost()
+        return lambda config, items, slo_ms=None: simulate(config, cost, items, slo_ms)
+
+    def requests(self, n: int, least: int = 1) -> int:
+        return max(least, round(n * self.size))
+
+    @property
+    def seed_hardware(self) -> bool:
+        """Runs on the scenario's own roofline: its notes (about that hardware) apply."""
+        return self.run is None and self.cost is None
+
+    def lengths(self, scale: float = 1.0) -> str:
+        """A setup line's remark on scaled lengths ("" when unscaled)."""
+        return "" if self.scale == 1.0 else f" (lengths here x{self.scale:g}: {scale * self.scale:g} of the mix's)"
+
+
+SIM = Backend()
 
 
 @dataclass
@@ -57,20 +104,21 @@ class ScenarioResult:
     rows: list[Row]
     notes: list[str] = field(default_factory=list)
     runs: dict[str, tuple[float, SimResult]] = field(default_factory=dict)  # label -> (rate, run)
+    label: str = "sim"  # the backend's
 
     def markdown(self) -> str:
+        b, a, x = self.before, self.after, self.label
         out = [f"## {self.name}: {self.title}", ""] + [f"- {s}" for s in self.setup] + [
-            "", f"| metric | seed: {self.before} | seed: {self.after} | sim: {self.before} | sim: {self.after} | "
-                "direction |", "|---|---|---|---|---|---|"]
+            "", f"| metric | seed: {b} | seed: {a} | {x}: {b} | {x}: {a} | direction |", "|---|---|---|---|---|---|"]
         for r in self.rows:
-            cells = [_fmt(v, r.unit) for v in (r.seed_before, r.seed_after, r.sim_before, r.sim_after)]
+            cells = [fmt_cell(v, r.unit) for v in (r.seed_before, r.seed_after, r.sim_before, r.sim_after)]
             out.append(f"| {r.metric} | " + " | ".join(cells) + f" | {r.verdict()} |")
         if self.notes:
             out += [""] + [f"- {n}" for n in self.notes]
         return "\n".join(out)
 
 
-def _fmt(v: float | None, unit: str) -> str:
+def fmt_cell(v: float | None, unit: str) -> str:
     if v is None:
         return "-"
     if unit == "%":
@@ -92,7 +140,7 @@ def require(*policies: str) -> None:
                                   f"(registered: {', '.join(sorted(POLICIES))})")
 
 
-def _registry() -> dict[str, Callable[[int | None, int], ScenarioResult]]:
+def _registry() -> dict[str, Callable[[int | None, int, Backend], ScenarioResult]]:
     from batchserve.scenarios import batching, load
 
     return {"priority-flood": load.priority_flood, "adaptive-window": load.adaptive_window,
@@ -103,15 +151,20 @@ SCENARIOS = ("priority-flood", "adaptive-window", "mixed-granularity", "static-v
 CHOICES = SCENARIOS + ("all",)
 
 
+def scenario_result(name: str, requests: int | None = None, seed: int = 0, backend: Backend = SIM) -> ScenarioResult:
+    """One scenario's runs on `backend`, and its figures."""
+    return _registry()[name](requests, seed, backend)
+
+
 def run_scenario(name: str, requests: int | None = None, seed: int = 0, out_dir: str | None = None) -> str:
-    """Run one scenario (or "all"); return its markdown. With `out_dir`, every run's bench
-    report (records, summary, plots) goes to out_dir/<scenario>/<run>/."""
+    """Run one scenario (or "all") in the simulator; return its markdown. With `out_dir`, every
+    run's bench report (records, summary, plots) goes to out_dir/<scenario>/<run>/."""
     from batchserve.sim.runner import write_outputs
 
     names = SCENARIOS if name == "all" else (name,)
     texts = []
     for n in names:
-        res = _registry()[n](requests, seed)
+        res = scenario_result(n, requests, seed)
         if out_dir:
             for label, (rate, run) in res.runs.items():
                 write_outputs(os.path.join(out_dir, n, label), [(rate, run)], {"label": f"{n} {label}"})

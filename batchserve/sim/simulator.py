@@ -21,7 +21,8 @@ from batchserve.sim.cost import CostModel
 from batchserve.sim.executor import BatchKey
 from batchserve.sim.loop import IDLE_POLL_S, MIN_WAKE_S, SimLoop, SimNode, SimulationStuck, prompt_ids, record_output
 
-__all__ = ["IDLE_POLL_S", "MIN_WAKE_S", "SimResult", "SimulationStuck", "Simulator", "prompt_ids", "record_output"]
+__all__ = ["IDLE_POLL_S", "MIN_WAKE_S", "SimResult", "SimulationStuck", "Simulator", "engine_stats", "prompt_ids",
+           "record_output"]
 
 
 @dataclass
@@ -89,7 +90,7 @@ class Simulator:
         duration = span_s(order) if order else 0.0
         summary = summarize(order, duration, self.slo_ms, self.slo, self.class_slo) if duration > 0 else {}
         return SimResult(order, summary, ex.num_steps, ex.busy_time, time.perf_counter() - wall0,
-                         timeline, batches, self._engine_stats())
+                         timeline, batches, engine_stats(self.engine, ex))
 
     def _sample(self, t: float) -> dict[str, Any]:
         """Engine state as a timeline point, named as the server's /metrics gauges are, so
@@ -102,13 +103,18 @@ class Simulator:
                                    "batchserve:scheduling_window_seconds": float(pol.window_ms) / 1000,
                                    "batchserve:max_batch": float(pol.max_batch)}}
 
-    def _engine_stats(self) -> dict[str, Any]:
-        sched, pol = self.engine.scheduler, self.engine.scheduler.policy
-        useful = getattr(pol, "useful_tokens", 0)
-        total = pol.padding_tokens + useful
-        return {"num_preemptions": sched.num_preemptions, "kv_blocks": self.executor.num_blocks,
-                "block_size": self.config.cache.block_size, "busy_s": self.executor.busy_time,
-                "steps": self.executor.num_steps, "tokens_computed": self.executor.num_tokens,
-                "padding_tokens": pol.padding_tokens, "num_batches": getattr(pol, "num_batches", None),
-                "padding_fraction": pol.padding_tokens / total if total else 0.0}
+
+
+def engine_stats(engine: Any, executor: Any) -> dict[str, Any]:
+    """A run's engine-side counters: the scheduler's and policy's, and the executor's
+    `num_blocks`, `busy_time`, `num_steps` and `num_tokens` (a SimExecutor's, or a live
+    runner's wrapper that counts the same)."""
+    sched, pol = engine.scheduler, engine.scheduler.policy
+    useful = getattr(pol, "useful_tokens", 0)
+    total = pol.padding_tokens + useful
+    return {"num_preemptions": sched.num_preemptions, "kv_blocks": executor.num_blocks,
+            "block_size": engine.config.cache.block_size, "busy_s": executor.busy_time,
+            "steps": executor.num_steps, "tokens_computed": executor.num_tokens,
+            "padding_tokens": pol.padding_tokens, "num_batches": getattr(pol, "num_batches", None),
+            "padding_fraction": pol.padding_tokens / total if total else 0.0}
 
