@@ -359,3 +359,36 @@ def test_random_floods_never_keep_a_high_request_waiting_past_a_step(make_fake_e
     waits = [r.first_scheduled_time - r.arrival_time for rid, r in reqs.items() if rid.startswith("hi")]
     assert max(waits) <= eng.executor.step_time + 1e-9
     assert any(r.num_preemptions for r in reqs.values())  # the seats were full: it preempted
+
+
+class SeqCostExecutor(FakeExecutor):
+    """A step costs 2 ms + 1 ms per sequence in it: decode-bound, as a CPU's big batches are."""
+
+    def execute(self, batch: ScheduledBatch) -> StepOutput:
+        self.step_time = 0.002 + 0.001 * batch.num_seqs
+        return super().execute(batch)
+
+
+def test_less_important_decodes_sit_out_for_a_hard_deadline(make_fake_engine):
+    """40 low-priority answers are decoding (42 ms steps) when a high-priority request with a
+    hard deadline arrives: 20 tokens in 150 ms need steps of 7 ms. The low decodes sit out the
+    steps its deadline cannot afford (keeping their seats and blocks), so it is admitted and
+    answered in time; then every low answer ends in full."""
+    eng = make_fake_engine(num_blocks=2048, executor=SeqCostExecutor(2048), max_num_seqs=64)
+    t = 0.0
+    for n in (1, 4, 16):  # the latency model sees steps of several sizes
+        arr = [(t, dict(prompt=[1] * 4, params=SamplingParams(max_tokens=6, ignore_eos=True), request_id=f"w{n}-{i}"))
+               for i in range(n)]
+        _, steps = drive(eng, t, arr)
+        t += sum(s for s, _ in steps) + 0.01
+    assert eng.scheduler.latency.ready
+    lows = [(t, dict(prompt=[2] * 4, params=SamplingParams(max_tokens=60, ignore_eos=True), request_id=f"low{i}",
+                     priority=1)) for i in range(40)]
+    hi = [(t + 0.2, dict(prompt=[3] * 4, params=SamplingParams(max_tokens=20, ignore_eos=True), request_id="hi",
+                         priority=9, deadline_ms=150, deadline_kind="hard"))]
+    done, steps = drive(eng, t, lows + hi)
+    assert done["hi"].finish_reason == "length" and len(done["hi"].token_ids) == 20
+    assert done["hi"].finish_time <= t + 0.2 + 0.150
+    assert all(done[f"low{i}"].finish_reason == "length" and len(done[f"low{i}"].token_ids) == 60 for i in range(40))
+    with_hi = [ids for _, ids in steps if "hi" in ids]
+    assert min(len(ids) for ids in with_hi) < 10  # its decodes ran without the 40 low ones

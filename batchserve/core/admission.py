@@ -100,6 +100,8 @@ class StepBuilder:
         cap = None if max_seqs is None else self._stage_start + max_seqs
         grow = sched.kv.grow
         bs = sched.kv.block_size
+        ceiling = sched.deadlines.decode_ceiling
+        slowed = min(ceiling) < math.inf  # someone more important can afford only so long a step
         for req in sched.running_order():
             if req.status is not _RUNNING:
                 continue  # preempted earlier in this loop
@@ -116,6 +118,9 @@ class StepBuilder:
             prompt, out_ids = req.prompt_token_ids, req.output_token_ids
             total = len(prompt) + len(out_ids)
             seq = req.decode_seq
+            if slowed and total - start == 1 and ceiling[req.priority] < math.inf and most_tokens(
+                    sched.latency, 1, self.spent + self.budget - budget, len(out) + 1, ceiling[req.priority]) < 1:
+                continue  # a decode that would make the step too slow for the more important: it sits out
             if seq is not None and total - start == 1 and start % bs:
                 # The steady decode (most requests, most steps): one token, and its position is
                 # not the first of a block, so the block is already in the table and the KV

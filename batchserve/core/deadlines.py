@@ -42,7 +42,12 @@ would make it, it lends nothing: it is protected before it is ended. A running r
 level has a `tpot_ms` target can afford steps of that length. `ceiling[p]` is the least of
 these over running requests of priority above p, and admission keeps each step's predicted time
 under the ceiling of the joining request's priority, cutting a prompt to what fits rather than
-holding it back whole: the important are never slowed by the less important joining them.
+holding it back whole: the important are never slowed by the less important joining them,
+nor by the less important already running: a running decode of priority p joins a step only
+while its predicted time stays under `decode_ceiling[p]` (the ceiling set by the priorities
+above p), and sits the step out otherwise, keeping its seat and blocks. So a hard-deadline
+request's service is predicted beside the running requests of its priority and above only:
+a full running set of less important decodes does not make it miss.
 Equals share the steps (holding back an equal would trade its first token for the other's
 last): `equal_ceiling[p]`, what running requests of priority p can afford, cuts an equal's
 prompt chunk but never below a minimum chunk. What they can afford an equal is larger than what
@@ -63,7 +68,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from batchserve.config import QueueConfig, SchedulerConfig
 from batchserve.core.latency import LatencyModel, most_tokens, service_time, tokens_within
@@ -100,6 +105,16 @@ class Truncate:
 Decision = Miss | Truncate
 
 
+def sharing(req: Request, running: Sequence[Request]) -> int:
+    """How many running requests `req`'s steps are predicted with: all of them, or for a hard
+    deadline those of its priority and above, since the less important sit out the steps that
+    would be too slow for it (`decode_ceiling`)."""
+    if not req.hard_deadline:
+        return len(running)
+    p = req.priority
+    return sum(1 for r in running if r.priority >= p)
+
+
 def _miss(req: Request, now: float, predicted: float) -> Miss:
     assert req.deadline is not None
     if not req.hard_deadline:
@@ -128,6 +143,8 @@ class DeadlineRules:
         self._steps = _WithFallback(latency, self)
         self._tpot = {lv.name: lv.tpot_ms / 1000 for lv in (queue or QueueConfig()).levels if lv.tpot_ms}
         self.ceiling: list[float] = _NO_CEILING  # by priority: the longest step a joining request may make
+        # by priority: the longest step a running request's decode may make (what those above can afford)
+        self.decode_ceiling: list[float] = _NO_CEILING
         # by priority: the step the running requests of that priority can afford; a joining
         # equal's prompt is cut to it, down to a minimum chunk (it is never held back)
         self.equal_ceiling: list[float] = _NO_CEILING
@@ -222,7 +239,7 @@ class DeadlineRules:
         requests cut to what fits. A generator: each decision is applied before the next is
         made, so later predictions see the running set the earlier ones left."""
         self._watch_predictions(waiting, len(running))
-        for req in waiting.refresh(now, lambda r: self.service(r, len(running), joining=True)):
+        for req in waiting.refresh(now, lambda r: self.service(r, sharing(r, running), joining=True)):
             if not req.hard_deadline and req.num_output_tokens:  # preempted after its first token
                 yield Truncate(req, req.num_output_tokens, True)
             else:
@@ -237,15 +254,16 @@ class DeadlineRules:
             eq_lim = lim
             if req.deadline_ms is not None:
                 hard = req.hard_deadline
-                up, eq = self._joining(req, waiting, len(running)) if hard else (0.0, 0.0)
-                s = self.service(req, len(running), now=now, ahead=up + eq)
+                n = sharing(req, running)
+                up, eq = self._joining(req, waiting, n) if hard else (0.0, 0.0)
+                s = self.service(req, n, now=now, ahead=up + eq)
                 if hard:
-                    own = self._steps.predict_step(len(running), len(running))
+                    own = self._steps.predict_step(n, n)
                     if now + s < req.deadline:
                         afford = (req.deadline - now) / (req.max_tokens - req.num_output_tokens + 1)
                         lim = min(lim, own + _SLACK_SHARE * max(0.0, afford - own))
                         eq_lim = min(eq_lim, own + _SLACK_SHARE * (req.deadline - now - s))
-                    elif now + self.service(req, len(running), ahead=up) < req.deadline:
+                    elif now + self.service(req, n, ahead=up) < req.deadline:
                         # the model's own steps plus what outranks it make it (its measured
                         # rate left out): protected, nothing less important joins and equals
                         # join in minimum chunks
@@ -272,15 +290,17 @@ class DeadlineRules:
         yield from self._share_seat(waiting, running, now)
         self.equal_ceiling = equals or _NO_CEILING
         if limits is None and last is None:
-            self.ceiling = _NO_CEILING
+            self.ceiling = self.decode_ceiling = _NO_CEILING
         else:
             limits = limits or _NO_CEILING
             last = last or _NO_CEILING
             ceiling = [math.inf] * (MAX_PRIORITY + 1)
+            below = [math.inf] * (MAX_PRIORITY + 1)
             ceiling[MAX_PRIORITY] = last[MAX_PRIORITY]
             for p in range(MAX_PRIORITY - 1, -1, -1):  # joining at p: the limits of priorities above p
-                ceiling[p] = min(ceiling[p + 1], limits[p + 1], last[p])
-            self.ceiling = ceiling
+                below[p] = min(ceiling[p + 1], limits[p + 1])
+                ceiling[p] = min(below[p], last[p])
+            self.ceiling, self.decode_ceiling = ceiling, below
 
     def _share_seat(self, waiting: AdmissionQueue, running: list[Request], now: float) -> Iterator[Decision]:
         """At most one running soft-deadline answer ended, shortened, for the seat of the

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from batchserve.config import QueueConfig, SchedulerConfig
 from batchserve.core.admission import StepBuilder, build_seq
 from batchserve.core.batch import ScheduledBatch, ScheduledSeq, StepOutput
-from batchserve.core.deadlines import Decision, DeadlineRules, Miss, length_status
+from batchserve.core.deadlines import Decision, DeadlineRules, Miss, length_status, sharing
 from batchserve.core.kv_cache import KVCacheManager
 from batchserve.core.latency import LatencyModel, OnlineLinearModel
 from batchserve.core.queue import AdmissionQueue
@@ -88,7 +88,7 @@ class Scheduler:
         if req.group is not None:
             self.groups.setdefault(req.group, []).append(req)
         idle = not self.running and not len(self.waiting)
-        miss = self.deadlines.at_admission(req, len(self.running), now, idle=idle)
+        miss = self.deadlines.at_admission(req, sharing(req, self.running), now, idle=idle)
         if miss is not None:
             self.apply(miss, now)
             return
