@@ -63,6 +63,7 @@ bench-engine: $(STAMP)
 	$(PY) -m benchmarks.foundation --kv-cache-dtype int8 --skip-hf --out BENCHMARKS.md
 	$(PY) -m benchmarks.policies --out BENCHMARKS.md
 	$(PY) -m benchmarks.fidelity --requests 120 --scale 0.5 --out BENCHMARKS.md
+	$(PY) -m benchmarks.seed_cases --out BENCHMARKS.md
 	$(PY) -m benchmarks.matmul_variants --out BENCHMARKS.md
 	$(PY) -m benchmarks.variants --out BENCHMARKS.md
 	$(PY) -m benchmarks.attention_kernel --out BENCHMARKS.md

@@ -392,3 +392,20 @@ def test_less_important_decodes_sit_out_for_a_hard_deadline(make_fake_engine):
     assert all(done[f"low{i}"].finish_reason == "length" and len(done[f"low{i}"].token_ids) == 60 for i in range(40))
     with_hi = [ids for _, ids in steps if "hi" in ids]
     assert min(len(ids) for ids in with_hi) < 10  # its decodes ran without the 40 low ones
+
+
+def test_a_hard_deadline_starting_now_is_not_slowed_by_prompts_starting_beside_it(make_fake_engine):
+    """Nothing runs; long low-priority prompts and a high-priority request with a hard deadline
+    arrive together. Its 10 tokens in 40 ms afford steps of about 3.6 ms: the low prompts that
+    start in its first step are cut to fit (alone they would make a 27 ms step), and every low
+    answer still ends in full."""
+    eng = make_fake_engine(num_blocks=1024, executor=TokenCostExecutor(1024), max_num_batched_tokens=512)
+    t0 = warm(eng)
+    lows = [(t0, dict(prompt=[2] * 200, params=SamplingParams(max_tokens=3, ignore_eos=True), request_id=f"low{i}",
+                      priority=1)) for i in range(12)]
+    hi = [(t0, dict(prompt=[3] * 4, params=SamplingParams(max_tokens=10, ignore_eos=True), request_id="hi",
+                    priority=9, deadline_ms=40, deadline_kind="hard"))]
+    done, steps = drive(eng, t0, lows + hi)
+    assert done["hi"].finish_reason == "length" and done["hi"].finish_time <= t0 + 0.040
+    assert max(s for s, ids in steps if "hi" in ids) <= 0.0037
+    assert all(done[f"low{i}"].finish_reason == "length" for i in range(12))

@@ -67,6 +67,8 @@ class StepBuilder:
         fair = sched.fair_yield(now) if sched.policy.preemptive else None
         self._favoured, self._skip, self._yielding = fair if fair is not None else (None, frozenset(), frozenset())
         self._chunk: int | None = None  # the prompt chunk the policy gave running requests
+        # by priority: what hard deadlines admitted in this step afford (None: none admitted)
+        self._joined: list[float] | None = None
 
     @property
     def stage_seqs(self) -> int:
@@ -260,6 +262,8 @@ class StepBuilder:
         if seq is None:
             return False
         self._admitted.add(req.request_id)
+        if req.hard_deadline:
+            self._protect(req)
         self.seqs.append(seq)
         self.budget -= seq.num_tokens
         self.spent += seq.num_tokens
@@ -277,6 +281,8 @@ class StepBuilder:
         will still join the step after this one."""
         dl = self.sched.deadlines
         hard, equal = dl.ceiling[priority], dl.equal_ceiling[priority]
+        if self._joined is not None:
+            hard = min(hard, self._joined[priority])
         if hard == math.inf and equal == math.inf:
             return n
         seqs = len(self.seqs) + 1 + later
@@ -285,6 +291,17 @@ class StepBuilder:
         if fit < n and equal < hard:
             fit = max(fit, self._most(min(n, _MIN_CHUNK), base, seqs, hard))
         return fit
+
+    def _protect(self, req: Request) -> None:
+        """`req`, with a hard deadline, starts in this step: the step ceilings (set before the
+        step, from the running requests) do not know it yet, so the less important prompts that
+        join after it are held to the step its deadline affords per token left."""
+        left = req.max_tokens - req.num_output_tokens + 1
+        afford = (req.deadline - self.now) / left  # type: ignore[operator]
+        joined = self._joined or [math.inf] * (MAX_PRIORITY + 1)
+        for p in range(req.priority):
+            joined[p] = min(joined[p], afford)
+        self._joined = joined
 
     def _most(self, n: int, base: int, seqs: int, limit: float) -> int:
         """The most of `n` tokens on top of `base` in a step of `seqs` predicted within `limit`."""
