@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import platform
+import os
 import statistics
 import time
 from typing import Any, Sequence
@@ -34,6 +34,7 @@ from batchserve.request import OverloadedError, RequestError, SamplingParams
 from batchserve.scenarios import SCENARIOS, Backend, ScenarioResult, fmt_cell, scenario_result
 from batchserve.sim.cost import ProfiledCost
 from batchserve.sim.simulator import SimResult, engine_stats, prompt_ids, record_output
+from benchmarks.perplexity import cpu_name
 from benchmarks.report_md import write_section
 
 TITLE = "## The seed's case studies, live and simulated on this machine"
@@ -212,8 +213,9 @@ def main(argv: list[str] | None = None) -> int:
         sm = scenario_result(name, None, a.seed, Backend("sim", cost=cost, size=a.size, scale=scale))
         sections.append(side_by_side(sm, lv))
         print(sections[-1] + f"\n\n(live {t_live:.0f} s)\n", flush=True)
-    head = (f"{TITLE}\n\n`python -m benchmarks.seed_cases` — {datetime.datetime.now():%Y-%m-%d %H:%M}, "
-            f"{platform.machine()}, {loaded.name}; the scenarios of `batchserve simulate --scenario` (their configs, "
+    cpu, _ = cpu_name()
+    head = (f"{TITLE}\n\n`python -m benchmarks.seed_cases` — ended {datetime.datetime.now():%Y-%m-%d %H:%M}, "
+            f"{cpu}, {os.cpu_count()} cores, {loaded.name}; the scenarios of `batchserve simulate --scenario` (their configs, "
             f"workloads and load rules) at {a.size:g} of their request counts, run live on this engine and "
             f"simulated on this machine's profile (host overhead {1e3 * cost.overhead_s:.2f} ms/step, runner "
             f"{cost.scale:.2f}x the profile, from a warm-up run); each side's loads follow its own measured "
