@@ -1,6 +1,6 @@
 """The seed's four case studies live on this engine, beside the simulator on this machine's profile.
 
-    python -m benchmarks.seed_cases --out BENCHMARKS.md          # ~20 minutes on 2 cores
+    python -m benchmarks.seed_cases --out BENCHMARKS.md          # ~15 minutes on 2 cores
     python -m benchmarks.seed_cases --size 0.01 --only priority-flood   # a smoke run
 
 `batchserve simulate --scenario NAME` replays each case on an A100 roofline. Here the same
