@@ -39,22 +39,29 @@ from benchmarks.report_md import write_section
 TOLERANCE = {"throughput_rps": 0.05, "e2e_p50_ms": 0.05, "e2e_p99_ms": 0.10}
 
 
-class _TimedRunner:
-    """The live runner, timed: what the engine spends outside it is host overhead; the
-    profile's prediction for the same batch gives the runner's speed relative to it."""
+class TimedExecutor:
+    """The live runner, timed and counted as SimExecutor counts (steps, tokens, busy time):
+    what the engine spends outside it is host overhead; the profile's prediction for the same
+    batches (`cost`) gives the runner's speed relative to it."""
 
-    def __init__(self, inner: Any, cost: ProfiledCost) -> None:
-        self.inner, self.cost = inner, cost
-        self.num_blocks, self.max_model_len, self.cfg = inner.num_blocks, inner.max_model_len, inner.cfg
-        self.last = 0.0
-        self.measured = self.predicted = 0.0  # runner seconds, summed over steps
+    def __init__(self, runner: Any, cost: ProfiledCost | None = None) -> None:
+        self.runner, self.cost = runner, cost
+        self.num_blocks, self.max_model_len, self.cfg = runner.num_blocks, runner.max_model_len, runner.cfg
+        self.reset()
+
+    def reset(self) -> None:
+        self.num_steps = self.num_tokens = 0
+        self.busy_time = self.predicted = self.last = 0.0  # runner seconds: summed, predicted, last step
 
     def execute(self, batch: Any) -> Any:
         t0 = time.perf_counter()
-        out = self.inner.execute(batch)
+        out = self.runner.execute(batch)
         self.last = time.perf_counter() - t0
-        self.measured += self.last
-        self.predicted += self.cost.runner_time(batch)
+        self.num_steps += 1
+        self.num_tokens += batch.num_tokens
+        self.busy_time += self.last
+        if self.cost is not None:
+            self.predicted += self.cost.runner_time(batch)
         return out
 
 
@@ -106,11 +113,11 @@ def _numbers(summary: dict[str, Any]) -> dict[str, float]:
     return {"throughput_rps": summary["throughput_rps"], "e2e_p50_ms": e["p50"], "e2e_p99_ms": e["p99"]}
 
 
-def _calibrated(profile: str, timed: _TimedRunner, overheads: list[float]) -> ProfiledCost:
+def calibrated(profile: str, timed: TimedExecutor, overheads: list[float]) -> ProfiledCost:
     """The profile plus what a live run measured. Means, not medians: latency sums step
     times, so the occasional slow step counts."""
     return ProfiledCost(profile, num_blocks=timed.num_blocks, overhead_s=statistics.fmean(overheads),
-                        scale=timed.measured / timed.predicted)
+                        scale=timed.busy_time / timed.predicted)
 
 
 def run_fidelity(config: EngineConfig, profile: str, n: int, rates: list[float] | None = None, seed: int = 0,
@@ -124,7 +131,7 @@ def run_fidelity(config: EngineConfig, profile: str, n: int, rates: list[float] 
 
     live = LLMEngine.from_config(config)
     base = ProfiledCost(profile, num_blocks=live.executor.num_blocks)
-    timed = live.executor = _TimedRunner(live.executor, base)
+    timed = live.executor = TimedExecutor(live.executor, base)
 
     def items(rate: float, s: int) -> list[WorkItem]:
         return make_workload(workload, n, rate, seed=s, scale=scale)
@@ -133,17 +140,17 @@ def run_fidelity(config: EngineConfig, profile: str, n: int, rates: list[float] 
     if probe is None:  # warm up at a third of the runner-only saturation
         probe = simulate(config, base, items(1e4, seed + 100)).summary["throughput_rps"] / 3
     _, over = live_run(live, items(probe, seed + 100))
-    cost = _calibrated(profile, timed, over)
+    cost = calibrated(profile, timed, over)
     if not rates:
         sat = simulate(config, cost, items(1e4, seed)).summary["throughput_rps"]
         rates = [round(f * sat, 3) for f in (0.3, 0.5, 0.7)]
     rows = []
     for rate in rates:
         wl = items(rate, seed)
-        timed.measured = timed.predicted = 0.0
+        timed.reset()
         recs, over = live_run(live, wl)
         if same_run:
-            cost = _calibrated(profile, timed, over)
+            cost = calibrated(profile, timed, over)
         got = _numbers(summarize(recs, span_s(recs)))
         want = _numbers(simulate(config, cost, wl).summary)
         err = {k: abs(want[k] - got[k]) / got[k] for k in got}

@@ -22,48 +22,22 @@ import argparse
 import dataclasses
 import datetime
 import os
-import statistics
 import time
 from typing import Any, Sequence
 
 from batchserve.bench.metrics import RequestRecord, span_s, summarize
 from batchserve.bench.workload import WorkItem, make_workload
 from batchserve.config import CacheConfig, EngineConfig, ModelConfig
-from batchserve.core.batch import ScheduledBatch, StepOutput
 from batchserve.request import OverloadedError, RequestError, SamplingParams
 from batchserve.scenarios import SCENARIOS, Backend, ScenarioResult, fmt_cell, scenario_result
 from batchserve.sim.cost import ProfiledCost
 from batchserve.sim.simulator import SimResult, engine_stats, prompt_ids, record_output
+from benchmarks.fidelity import TimedExecutor, calibrated
 from benchmarks.perplexity import cpu_name
 from benchmarks.report_md import write_section
 
 TITLE = "## The seed's case studies, live and simulated on this machine"
 BLOCK_SIZE = 16  # the scenarios' (scenarios/common.py)
-
-
-class TimedExecutor:
-    """The shared model runner, counting what SimExecutor counts (steps, tokens, busy time),
-    and the profile's prediction for each batch (runner speed against the profile)."""
-
-    def __init__(self, runner: Any, cost: ProfiledCost | None = None) -> None:
-        self.runner, self.cost = runner, cost
-        self.num_blocks, self.max_model_len, self.cfg = runner.num_blocks, runner.max_model_len, runner.cfg
-        self.reset()
-
-    def reset(self) -> None:
-        self.num_steps = self.num_tokens = 0
-        self.busy_time = self.predicted = self.last = 0.0
-
-    def execute(self, batch: ScheduledBatch) -> StepOutput:
-        t0 = time.perf_counter()
-        out = self.runner.execute(batch)
-        self.last = time.perf_counter() - t0
-        self.num_steps += 1
-        self.num_tokens += batch.num_tokens
-        self.busy_time += self.last
-        if self.cost is not None:
-            self.predicted += self.cost.runner_time(batch)
-        return out
 
 
 class Live:
@@ -150,9 +124,7 @@ def calibrate(live: Live, profile: str, seed: int) -> ProfiledCost:
     cfg = EngineConfig(cache=CacheConfig(block_size=BLOCK_SIZE), scheduler=SchedulerConfig(policy="continuous"))
     live.overheads.clear()
     live.run(cfg, make_workload("short-long", 60, 4.0, seed=seed + 100))
-    ex = live.executor
-    return ProfiledCost(profile, num_blocks=ex.num_blocks, overhead_s=statistics.fmean(live.overheads),
-                        scale=ex.busy_time / ex.predicted)
+    return calibrated(profile, live.executor, live.overheads)
 
 
 def side_by_side(sim: ScenarioResult, live: ScenarioResult) -> str:

@@ -105,14 +105,24 @@ class Truncate:
 Decision = Miss | Truncate
 
 
-def sharing(req: Request, running: Sequence[Request]) -> int:
+def at_or_above(running: Sequence[Request]) -> list[int]:
+    """By priority p: how many of `running` have priority p or above."""
+    counts = [0] * (MAX_PRIORITY + 2)
+    for r in running:
+        counts[r.priority] += 1
+    for p in range(MAX_PRIORITY - 1, -1, -1):
+        counts[p] += counts[p + 1]
+    return counts
+
+
+def sharing(req: Request, running: Sequence[Request], above: list[int] | None = None) -> int:
     """How many running requests `req`'s steps are predicted with: all of them, or for a hard
     deadline those of its priority and above, since the less important sit out the steps that
-    would be too slow for it (`decode_ceiling`)."""
+    would be too slow for it (`decode_ceiling`). `above`: `at_or_above(running)`, when the
+    caller asks for many requests."""
     if not req.hard_deadline:
         return len(running)
-    p = req.priority
-    return sum(1 for r in running if r.priority >= p)
+    return (above if above is not None else at_or_above(running))[req.priority]
 
 
 def _miss(req: Request, now: float, predicted: float) -> Miss:
@@ -239,7 +249,18 @@ class DeadlineRules:
         requests cut to what fits. A generator: each decision is applied before the next is
         made, so later predictions see the running set the earlier ones left."""
         self._watch_predictions(waiting, len(running))
-        for req in waiting.refresh(now, lambda r: self.service(r, sharing(r, running), joining=True)):
+        # at_or_above(running), counted when a hard deadline first asks, and again after the
+        # decisions applied meanwhile have taken requests out of `running` (they only take out)
+        above: list[int] = []
+        counted = -1
+
+        def share(r: Request) -> int:
+            nonlocal above, counted
+            if r.hard_deadline and counted != len(running):
+                above, counted = at_or_above(running), len(running)
+            return sharing(r, running, above)
+
+        for req in waiting.refresh(now, lambda r: self.service(r, share(r), joining=True)):
             if not req.hard_deadline and req.num_output_tokens:  # preempted after its first token
                 yield Truncate(req, req.num_output_tokens, True)
             else:
@@ -254,7 +275,7 @@ class DeadlineRules:
             eq_lim = lim
             if req.deadline_ms is not None:
                 hard = req.hard_deadline
-                n = sharing(req, running)
+                n = share(req)
                 up, eq = self._joining(req, waiting, n) if hard else (0.0, 0.0)
                 s = self.service(req, n, now=now, ahead=up + eq)
                 if hard:

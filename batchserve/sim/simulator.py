@@ -104,7 +104,6 @@ class Simulator:
                                    "batchserve:max_batch": float(pol.max_batch)}}
 
 
-
 def engine_stats(engine: Any, executor: Any) -> dict[str, Any]:
     """A run's engine-side counters: the scheduler's and policy's, and the executor's
     `num_blocks`, `busy_time`, `num_steps` and `num_tokens` (a SimExecutor's, or a live
