@@ -5,9 +5,9 @@ import math
 
 import pytest
 
-from batchserve.core.controllers import (BatchTimes, SortedWindow, Targets, batch_times,
+from batchserve.core.controllers import (BatchTimes, SortedWindow, Targets, batch_cap, batch_times,
                                          bucket_distance, ewma, length_bucket, longest_of, offer_order, percentile,
-                                         plan_batch, slo_size)
+                                         pace_size, plan_batch, slo_size)
 
 def linear(base: float, per: float):
     """times(b) for a batch whose whole time is base + per * b s (prefill a tenth of it)."""
@@ -76,8 +76,25 @@ def test_targets_cap_the_batch_where_a_fresh_request_would_miss():
     assert slo_size(times, 32, Targets(ttft=0.151)) == 5  # F = 0.1 + 0.01 b
     assert slo_size(times, 32, Targets(e2e=0.5)) == 1  # none fits: one at a time
     assert slo_size(lambda b: BatchTimes(0.0, 0.001 * b, 0.1 * b), 64, Targets(tpot=0.016)) == 16
-    p = plan([0.0] * 40, times, rate=5.0, targets=Targets(e2e=2.0))
+    p = plan([0.0] * 12, times, rate=1.0, targets=Targets(e2e=2.0))
     assert p.launch and p.size == 10  # the queue fills the SLO's batch
+
+
+def test_a_load_the_targets_cannot_keep_pace_with_takes_the_pace_size():
+    times, t = linear(1.0, 0.1), Targets(e2e=2.0)  # the SLO allows 10 a batch: 5/s at most
+    assert pace_size(times, 32, 1 / 3.0, 0) == 5  # 3/s: 5 >= 3 x 1.5
+    assert pace_size(times, 32, 1 / 6.0, 0) == 15  # 6/s: b >= 6 (1 + 0.1 b)
+    assert pace_size(times, 32, 1 / 6.0, 20) == 19  # and 20 waiting: b >= 20 - b + 6 (1 + 0.1 b)
+    assert pace_size(times, 32, 1 / 10.0, 0) == 32  # 10/s: none keeps pace, the cap
+    assert batch_cap(times, 32, t, 1 / 3.0, 6) == (10, False)  # within reach: the SLO's size
+    assert batch_cap(times, 32, t, 1 / 6.0, 20) == (19, True)
+    assert batch_cap(times, 32, Targets(tpot=0.2), 1 / 6.0, 20) == (32, False)
+    assert batch_cap(lambda b: BatchTimes(0.0, 0.01 * b, 0.1 * b), 32, Targets(tpot=0.08), 0.01, 30) == (8, False)
+    p = plan([0.5] * 20, times, rate=6.0, targets=t)
+    assert p.launch and p.size == 19
+    # out of reach, the launch rule is the one without targets: 12 wait, 12 < 6 x B(12) = 13.2
+    p = plan([0.0] * 12, times, rate=6.0, targets=t, window_max=1.0, e2e=[None] * 12)
+    assert not p.launch and p.size == 12
 
 
 def test_late_requests_give_way_unless_they_ride_or_are_overdue():

@@ -158,3 +158,25 @@ def test_dynamic_fit_is_judged_at_the_longest_output_the_batch_had(make_fake_eng
     eng.clock.set(t)
     drive(eng, [(t, req("long", 4, 100))])
     assert 0.8 < eng.scheduler.policy.fit < 1.25
+
+
+def test_dynamic_a_load_beyond_the_slo_batches_gets_batches_that_keep_pace(make_fake_engine):
+    """SLO 200 ms end to end: a batch of b (10 steps of 4 + 2 b ms) meets it up to b = 8, which
+    serves 40/s. Below that the SLO sizes the batches; at 45/s the batches it allows fall behind,
+    and the controller takes the size that keeps pace instead of letting the queue grow."""
+    def run(rate: float) -> tuple[list[int], float]:
+        eng = make_fake_engine(policy="dynamic", max_batch=32, window_max_ms=50.0, num_blocks=2048,
+                               slo_p99_ms=200.0)
+        eng.executor = SizedFakeExecutor(2048)
+        warm(eng)
+        t0 = eng.clock.now() + 1.0
+        eng.clock.set(t0)
+        arrivals = [(t0 + i / rate, req(f"r{i}", 4, 10)) for i in range(int(6 * rate))]
+        sizes = batch_sizes(eng, arrivals)
+        return sizes, eng.clock.now() - arrivals[-1][0]
+
+    within, _ = run(25.0)
+    assert max(within) <= 8
+    beyond, drain = run(45.0)
+    assert sum(b > 8 for b in beyond) > len(beyond) / 2  # not a run of 8s and, when overdue, one of 32
+    assert drain < 0.7  # the queue at the end is a batch or two, not the backlog of a lost second

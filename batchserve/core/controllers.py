@@ -29,7 +29,7 @@ do not lengthen: they would miss anyway, and with them the on-time members would
 last token, and everyone queued behind for the batch's end. A rider ends within the on-time
 members' bound, so it costs them one more row a step; a request that has waited twice its
 target goes whatever it costs, so none waits without bound. With no request on time, none
-late, or no target set, this is the queue's order.
+late, no target set, or the targets out of the load's reach (below), this is the queue's order.
 
 Size. The batch takes the first min(d, c) of them, where c is the largest size whose
 batch meets the targets for a request that has not waited at all (at most the cap; 1 if none):
@@ -41,11 +41,23 @@ batch, which costs them more than the larger batch saves its members wherever a 
 grows more slowly than its size (up to the throughput knee, which bounds the cap when a profile
 gives one).
 
+Unless the load puts the targets out of reach. With q requests waiting in all, the pace size
+
+    p = min{ b <= cap : b >= max(0, q - b) + B(b) / gap }     (cap if none)
+
+is the smallest batch that leaves no more waiting than it takes (those it leaves, plus those
+arriving while it runs). When p > c, batches the targets allow fall behind: the queue grows
+for as long as the load lasts, every request in it misses by more, and what was held back to
+spare the on-time ones comes due at twice its target. So when p > c and a TTFT or end-to-end
+target is set (one that waiting breaks), c = p, the queue is offered in its own order, and the
+batch launches by the rules without targets: the fixed point that serves the most. A TPOT
+target alone is not broken by waiting, so a backlog never outgrows it.
+
 Launch now, with those b, when any of
 
     d >= c                         the queue alone fills a batch
-    it keeps pace                  without targets: d >= B(b) / gap, fewer arrive while it runs
-                                   than it serves; with targets: a request arriving now would
+    it keeps pace                  without targets (or out of their reach): d >= B(b) / gap, fewer
+                                   arrive while it runs than it serves; with targets: one arriving now would
                                    still meet them in the next batch (of about B(b) / gap), so
                                    waiting for it gains nothing
     a member would be late         one that meets its targets now would miss them by waiting
@@ -125,11 +137,13 @@ class Plan:
 
 
 def plan_batch(waits: Sequence[float], e2e: Sequence[float | None], times: Callable[[int], BatchTimes],
-               cap: int, mean_gap_s: float | None, since_s: float, targets: Targets, window_max_s: float) -> Plan:
+               cap: int, mean_gap_s: float | None, since_s: float, targets: Targets, window_max_s: float,
+               queued: int | None = None) -> Plan:
     """The control law in the module docstring. `waits` (seconds) and `e2e` (each request's
     end-to-end target, None for none) are the requests offered, in `offer_order`'s order, at
     least the first cap of them; `times(b)` gives F, D, B for a batch of b; the arrival gap is the
-    larger of `mean_gap_s` (None: no arrivals seen) and `since_s`, the time since the last.
+    larger of `mean_gap_s` (None: no arrivals seen) and `since_s`, the time since the last;
+    `queued`: how many wait in all (None: those offered).
 
     When it waits, `wait_s` is exact: with no arrival the plan first says launch then (the gap
     grows with the silence, so the batch comes to keep pace, or a member to be late)."""
@@ -137,13 +151,13 @@ def plan_batch(waits: Sequence[float], e2e: Sequence[float | None], times: Calla
     if d == 0:
         return Plan(False, 0, math.inf)
     g = math.inf if mean_gap_s is None else mean_gap_s
-    gap = max(g, since_s)
-    c = slo_size(times, cap, targets)
+    gap = arrival_gap(mean_gap_s, since_s)
+    c, paced = batch_cap(times, cap, targets, gap, d if queued is None else queued)
     size = min(d, c)
     now_t, next_t = times(size), times(min(size + 1, c))
     # the batch keeps pace once the gap reaches need: d >= B / gap; with targets, once a newcomer
     # would still meet them in the next batch, of about B / gap requests
-    if targets.any:
+    if targets.any and not paced:
         n = _largest(lambda k: _meets(now_t.total, targets.e2e, times(k), targets), c)
         need = 0.0 if n >= c else math.inf if n == 0 else now_t.total / n
     else:
@@ -158,6 +172,32 @@ def plan_batch(waits: Sequence[float], e2e: Sequence[float | None], times: Calla
     for m in margins:  # the margin closes at 1/s while the gap holds, at 2/s once it grows
         wait = min(wait, m if m <= grow_at else grow_at + (m - grow_at) / 2)
     return Plan(False, size, max(0.0, wait))
+
+
+def arrival_gap(mean_gap_s: float | None, since_s: float) -> float:
+    """The arrival gap of the control law: the mean gap (None: no arrivals seen), or the time
+    since the last arrival when that is longer."""
+    return max(math.inf if mean_gap_s is None else mean_gap_s, since_s)
+
+
+def batch_cap(times: Callable[[int], BatchTimes], top: int, targets: Targets, gap: float, queued: int) -> tuple[int, bool]:
+    """c of the control law, and whether the load puts the targets out of reach (c is then the
+    pace size, larger than the targets allow). `queued`: how many wait in all."""
+    c = slo_size(times, top, targets)
+    if targets.ttft is None and targets.e2e is None:  # waiting breaks no target: no cause to hurry
+        return c, False
+    p = pace_size(times, top, gap, queued)
+    return (p, True) if p > c else (c, False)
+
+
+def pace_size(times: Callable[[int], BatchTimes], top: int, gap: float, queued: int) -> int:
+    """The smallest b <= top whose batch leaves no more waiting than it takes: those it leaves of
+    the `queued` plus those arriving, one per `gap`, while it runs (top when none does)."""
+    for b in range(1, top + 1):
+        t = times(b).total
+        if b >= max(0, queued - b) + (t / gap if gap > 0 else math.inf if t > 0 else 0.0):
+            return b
+    return top
 
 
 def offer_order(waits: Sequence[float], e2e: Sequence[float | None], max_tokens: Sequence[int], now_t: BatchTimes,

@@ -24,9 +24,9 @@ from itertools import islice
 from typing import TYPE_CHECKING, Iterable
 
 from batchserve.config import SchedulerConfig
-from batchserve.core.controllers import (BatchTimes, Plan, SortedWindow, Targets, batch_times,
-                                         bucket_distance, ewma, length_bucket, longest_of, offer_order,
-                                         plan_batch, slo_size)
+from batchserve.core.controllers import (BatchTimes, Plan, SortedWindow, Targets, arrival_gap, batch_cap,
+                                         batch_times, bucket_distance, ewma, length_bucket, longest_of,
+                                         offer_order, plan_batch)
 from batchserve.core.latency import LatencyModel, ProfiledLatencyModel
 from batchserve.core.policies.request_level import RequestLevelPolicy
 from batchserve.request import Request, RequestStatus
@@ -89,13 +89,14 @@ class DynamicPolicy(RequestLevelPolicy):
                 memo[b] = BatchTimes(fit * t.first, fit * t.decode, fit * t.total)
             return memo[b]
 
-        order = offer_order(waits, e2e, [r.max_tokens for r in head],
-                            times(min(len(head), slo_size(times, cap, self.targets))), self.targets)
+        since = 0.0 if self.last_arrival is None else now - self.last_arrival
+        c, paced = batch_cap(times, cap, self.targets, arrival_gap(self.mean_gap_s, since), len(sched.waiting))
+        order = list(range(len(head))) if paced else offer_order(waits, e2e, [r.max_tokens for r in head],
+                                                                   times(min(len(head), c)), self.targets)
         self.offered = None if order == list(range(len(head))) else [head[i] for i in order]
         waits, e2e = [waits[i] for i in order], [e2e[i] for i in order]
-        since = 0.0 if self.last_arrival is None else now - self.last_arrival
         self.plan = plan_batch(waits, e2e, times, cap, self.mean_gap_s, since, self.targets,
-                               self.config.window_max_ms / 1000.0)
+                               self.config.window_max_ms / 1000.0, len(sched.waiting))
         self.max_batch = max(1, self.plan.size)
         self.window_ms = 1000.0 * (waits[0] + self.plan.wait_s) if math.isfinite(self.plan.wait_s) else \
             self.config.window_max_ms
