@@ -103,6 +103,8 @@ def adaptive_window(requests: int | None, seed: int, backend: Backend = SIM) -> 
             Row("night 'GPU utilisation' = requests per batch / 32", 0.30, 0.55, batch_fill(fn, 32),
                 batch_fill(an, 32), better="higher", unit="%"),
             Row("day throughput (req/s)", None, None, rate_of(fd), rate_of(ad), better="higher"),
+            Row("day goodput: requests within the SLO per s", None, None, fd.summary["goodput_rps"],
+                ad.summary["goodput_rps"], better="higher"),
             Row("day requests per batch / 32", None, None, batch_fill(fd, 32), batch_fill(ad, 32),
                 better="higher", unit="%"),
             Row("night P99 E2E (ms)", None, None, e2e(fn), e2e(an)),
