@@ -86,14 +86,16 @@ def test_a_load_the_targets_cannot_keep_pace_with_takes_the_pace_size():
     assert pace_size(times, 32, 1 / 6.0, 0) == 15  # 6/s: b >= 6 (1 + 0.1 b)
     assert pace_size(times, 32, 1 / 6.0, 20) == 19  # and 20 waiting: b >= 20 - b + 6 (1 + 0.1 b)
     assert pace_size(times, 32, 1 / 10.0, 0) == 32  # 10/s: none keeps pace, the cap
-    assert batch_cap(times, 32, t, 1 / 3.0, 6) == (10, False)  # within reach: the SLO's size
-    assert batch_cap(times, 32, t, 1 / 6.0, 20) == (19, True)
-    assert batch_cap(times, 32, Targets(tpot=0.2), 1 / 6.0, 20) == (32, False)
-    assert batch_cap(lambda b: BatchTimes(0.0, 0.01 * b, 0.1 * b), 32, Targets(tpot=0.08), 0.01, 30) == (8, False)
-    p = plan([0.5] * 20, times, rate=6.0, targets=t)
+    assert batch_cap(times, 32, t, 1 / 3.0, 6, True) == (10, False)  # within reach: the SLO's size
+    assert batch_cap(times, 32, t, 1 / 6.0, 20, True) == (19, True)
+    assert batch_cap(times, 32, t, 1 / 6.0, 20, False) == (10, False)  # nobody overdue yet: a burst the SLO absorbs
+    assert batch_cap(times, 32, Targets(tpot=0.2), 1 / 6.0, 20, True) == (32, False)
+    # overdue: waited twice its target; out of reach, the batch keeps pace with the queue
+    p = plan([4.0] + [0.5] * 19, times, rate=6.0, targets=t)
     assert p.launch and p.size == 19
-    # out of reach, the launch rule is the one without targets: 12 wait, 12 < 6 x B(12) = 13.2
-    p = plan([0.0] * 12, times, rate=6.0, targets=t, window_max=1.0, e2e=[None] * 12)
+    assert plan([3.9] + [0.5] * 19, times, rate=6.0, targets=t).size == 10
+    # and launches by the rule without targets: 12 wait, 12 < 6 x B(12) = 13.2
+    p = plan([4.0] + [0.0] * 11, times, rate=6.0, targets=t, window_max=5.0)
     assert not p.launch and p.size == 12
 
 

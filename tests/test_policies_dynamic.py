@@ -163,7 +163,8 @@ def test_dynamic_fit_is_judged_at_the_longest_output_the_batch_had(make_fake_eng
 def test_dynamic_a_load_beyond_the_slo_batches_gets_batches_that_keep_pace(make_fake_engine):
     """SLO 200 ms end to end: a batch of b (10 steps of 4 + 2 b ms) meets it up to b = 8, which
     serves 40/s. Below that the SLO sizes the batches; at 45/s the batches it allows fall behind,
-    and the controller takes the size that keeps pace instead of letting the queue grow."""
+    and once a request has waited twice the SLO the controller takes the size that keeps pace
+    instead of letting the queue grow."""
     def run(rate: float) -> tuple[list[int], float]:
         eng = make_fake_engine(policy="dynamic", max_batch=32, window_max_ms=50.0, num_blocks=2048,
                                slo_p99_ms=200.0)
@@ -178,5 +179,7 @@ def test_dynamic_a_load_beyond_the_slo_batches_gets_batches_that_keep_pace(make_
     within, _ = run(25.0)
     assert max(within) <= 8
     beyond, drain = run(45.0)
-    assert sum(b > 8 for b in beyond) > len(beyond) / 2  # not a run of 8s and, when overdue, one of 32
+    # batches of 8 fall behind until requests have waited twice the SLO; from then on the batches
+    # keep pace (not 8s, then one of 32 when the overdue go first whatever it costs)
+    assert sum(b > 8 for b in beyond) >= 5 and max(beyond) < 32
     assert drain < 0.7  # the queue at the end is a batch or two, not the backlog of a lost second

@@ -46,12 +46,14 @@ Unless the load puts the targets out of reach. With q requests waiting in all, t
     p = min{ b <= cap : b >= max(0, q - b) + B(b) / gap }     (cap if none)
 
 is the smallest batch that leaves no more waiting than it takes (those it leaves, plus those
-arriving while it runs). When p > c, batches the targets allow fall behind: the queue grows
-for as long as the load lasts, every request in it misses by more, and what was held back to
-spare the on-time ones comes due at twice its target. So when p > c and a TTFT or end-to-end
-target is set (one that waiting breaks), c = p, the queue is offered in its own order, and the
-batch launches by the rules without targets: the fixed point that serves the most. A TPOT
-target alone is not broken by waiting, so a backlog never outgrows it.
+arriving while it runs). When p > c, batches the targets allow fall behind. Through a burst
+that is the right trade: holding late requests back keeps the on-time ones within target, and
+the queue drains when the burst ends. Once a request has waited twice its target (overdue),
+the load has outlasted that: the queue grows for as long as it lasts, and every request in it
+misses by more. So when p > c, someone is overdue, and a TTFT or end-to-end target is set (one
+that waiting breaks), c = p, the queue is offered in its own order, and the batch launches by
+the rules without targets: the fixed point that serves the most, until the backlog is gone. A
+TPOT target alone is not broken by waiting, so a backlog never outgrows it.
 
 Launch now, with those b, when any of
 
@@ -152,7 +154,8 @@ def plan_batch(waits: Sequence[float], e2e: Sequence[float | None], times: Calla
         return Plan(False, 0, math.inf)
     g = math.inf if mean_gap_s is None else mean_gap_s
     gap = arrival_gap(mean_gap_s, since_s)
-    c, paced = batch_cap(times, cap, targets, gap, d if queued is None else queued)
+    c, paced = batch_cap(times, cap, targets, gap, d if queued is None else queued,
+                         any(is_overdue(w, e, targets) for w, e in zip(waits, e2e)))
     size = min(d, c)
     now_t, next_t = times(size), times(min(size + 1, c))
     # the batch keeps pace once the gap reaches need: d >= B / gap; with targets, once a newcomer
@@ -180,11 +183,13 @@ def arrival_gap(mean_gap_s: float | None, since_s: float) -> float:
     return max(math.inf if mean_gap_s is None else mean_gap_s, since_s)
 
 
-def batch_cap(times: Callable[[int], BatchTimes], top: int, targets: Targets, gap: float, queued: int) -> tuple[int, bool]:
+def batch_cap(times: Callable[[int], BatchTimes], top: int, targets: Targets, gap: float, queued: int,
+              overdue: bool = True) -> tuple[int, bool]:
     """c of the control law, and whether the load puts the targets out of reach (c is then the
-    pace size, larger than the targets allow). `queued`: how many wait in all."""
+    pace size, larger than the targets allow). `queued`: how many wait in all; `overdue`: whether
+    one of them has waited twice its target."""
     c = slo_size(times, top, targets)
-    if targets.ttft is None and targets.e2e is None:  # waiting breaks no target: no cause to hurry
+    if not overdue or (targets.ttft is None and targets.e2e is None):
         return c, False
     p = pace_size(times, top, gap, queued)
     return (p, True) if p > c else (c, False)
@@ -214,10 +219,15 @@ def offer_order(waits: Sequence[float], e2e: Sequence[float | None], max_tokens:
     bound = max(max_tokens[i] for i in on)
 
     def overdue(i: int) -> bool:
-        target = e2e[i] if e2e[i] is not None else targets.ttft
-        return target is not None and waits[i] >= 2 * target
+        return is_overdue(waits[i], e2e[i], targets)
 
     return [i for i in late if overdue(i)] + on + [i for i in late if not overdue(i) and max_tokens[i] <= bound]
+
+
+def is_overdue(w: float, e2e: float | None, targets: Targets) -> bool:
+    """Has waited w >= twice its target (its end-to-end one, else the TTFT target)."""
+    target = e2e if e2e is not None else targets.ttft
+    return target is not None and w >= 2 * target
 
 
 def _largest(ok: Callable[[int], bool], top: int) -> int:

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Iterable
 
 from batchserve.config import SchedulerConfig
 from batchserve.core.controllers import (BatchTimes, Plan, SortedWindow, Targets, arrival_gap, batch_cap,
-                                         batch_times, bucket_distance, ewma, length_bucket, longest_of,
-                                         offer_order, plan_batch)
+                                         batch_times, bucket_distance, ewma, is_overdue, length_bucket,
+                                         longest_of, offer_order, plan_batch)
 from batchserve.core.latency import LatencyModel, ProfiledLatencyModel
 from batchserve.core.policies.request_level import RequestLevelPolicy
 from batchserve.request import Request, RequestStatus
@@ -90,7 +90,9 @@ class DynamicPolicy(RequestLevelPolicy):
             return memo[b]
 
         since = 0.0 if self.last_arrival is None else now - self.last_arrival
-        c, paced = batch_cap(times, cap, self.targets, arrival_gap(self.mean_gap_s, since), len(sched.waiting))
+        overdue = any(is_overdue(w, e, self.targets) for w, e in zip(waits, e2e))
+        c, paced = batch_cap(times, cap, self.targets, arrival_gap(self.mean_gap_s, since), len(sched.waiting),
+                             overdue)
         order = list(range(len(head))) if paced else offer_order(waits, e2e, [r.max_tokens for r in head],
                                                                    times(min(len(head), c)), self.targets)
         self.offered = None if order == list(range(len(head))) else [head[i] for i in order]
