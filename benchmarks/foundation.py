@@ -30,7 +30,8 @@ def decode_batch(kv: KVCacheManager, batch: int, ctx: int) -> ScheduledBatch:
     seqs = []
     for i in range(batch):
         kv.allocate(f"d{i}", ctx + 1)
-        seqs.append(ScheduledSeq(f"d{i}", [100 + i], ctx, kv.block_table(f"d{i}"), True, GREEDY, 0))
+        # output_index 1: a decode (0 would send the row down the prompt path, AMX tiles where present)
+        seqs.append(ScheduledSeq(f"d{i}", [100 + i], ctx, kv.block_table(f"d{i}"), True, GREEDY, 1))
     return ScheduledBatch(seqs)
 
 

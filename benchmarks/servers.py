@@ -1,5 +1,6 @@
-"""Start, watch and stop the servers the comparison benchmarks run: `batchserve serve` and vLLM's
-CPU build (`vllm serve`, installed by benchmarks.vllm_setup), one at a time.
+"""Start, watch and stop the servers the comparison benchmarks run: `batchserve serve`, vLLM's
+CPU build (`vllm serve`, installed by benchmarks.vllm_setup) and llama.cpp's `llama-server`
+(built by `make bench-llamacpp`), one at a time.
 
     with started(start_vllm(hf_dir, extra_args=["--scheduling-policy", "priority"])) as s:
         run(items, ClientConfig(s.url, extensions=False))   # batchserve.bench.client
@@ -95,6 +96,24 @@ def start_vllm(model_dir: str, port: int | None = None, extra_args: Sequence[str
     cmd = [vllm_bin(venv), "serve", model_dir, "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
            "--no-enable-prefix-caching", "--served-model-name", SERVED_NAME, *extra_args]
     return _popen(f"vllm {dtype}", cmd, port, env or vllm_env(), log_path)
+
+
+def start_llamacpp(llama_server: str, model: str, slots: int, slot_ctx: int, port: int | None = None,
+                   extra_args: Sequence[str] = (), log_path: str | None = None) -> Server:
+    """llama.cpp's `llama-server` on the GGUF file `model` with one slot per concurrent request
+    (`slots`, continuous batching), each with `slot_ctx` tokens of context, the machine's cores as
+    threads, flash attention off (faster than its default on these CPUs), then EXTRA_ARGS.
+    Returns at once: call wait_healthy."""
+    port = port or free_port()
+    threads = str(os.cpu_count() or 1)
+    if "amx_int8" in open("/proc/cpuinfo").read():
+        # this build's repacking of the weights for AMX dies at start (SIGSEGV / SIGILL) on the AMX
+        # Xeon here; without it llama.cpp multiplies as on any AVX-512 CPU
+        extra_args = ["--no-repack", *extra_args]
+    cmd = [llama_server, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", threads, "-tb", threads,
+           "-np", str(slots), "-c", str(slots * slot_ctx), "-b", "2048", "-ub", "512", "--no-webui", "-fa", "off",
+           "--alias", SERVED_NAME, *extra_args]
+    return _popen("llama.cpp", cmd, port, None, log_path)
 
 
 def wait_healthy(server: Server, timeout_s: float = 600.0) -> float:

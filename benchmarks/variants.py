@@ -60,8 +60,8 @@ def forced_logits(runner: ModelRunner, prompts: list[list[int]], forced: list[li
     out: list[list[torch.Tensor]] = [[] for _ in prompts]
     steps = [[(p, 0) for p in prompts]] + [[([f[j]], len(p) + j) for p, f in zip(prompts, forced)]
                                            for j in range(len(forced[0]) - 1)]
-    for step in steps:
-        seqs = [ScheduledSeq(rid, toks, start, kv.block_table(rid), True, greedy, 0)
+    for k, step in enumerate(steps):  # output_index k: the forced tokens run as the decodes they stand for
+        seqs = [ScheduledSeq(rid, toks, start, kv.block_table(rid), True, greedy, k)
                 for rid, (toks, start) in zip(ids, step)]
         logits = runner.compute_logits(ScheduledBatch(seqs))
         for i in range(len(prompts)):

