@@ -98,7 +98,8 @@ def test_live_backend_ends_every_request_and_frees_every_block(live) -> None:
 @pytest.mark.kernel
 def test_live_backend_runs_a_scenario(live) -> None:
     res = scenario_result("adaptive-window", None, 0, Backend("live", run=live.run, size=0.01))
-    assert res.label == "live" and len(res.rows) == 6
+    assert res.label == "live" and len(res.rows) == 7
+    assert any(r.metric.startswith("day goodput") for r in res.rows)
     for label, (_, run) in res.runs.items():
         assert run.summary["n_ok"] == len(run.records), label  # no SLO failure here is an error
         assert run.num_steps > 0 and run.busy_s > 0
