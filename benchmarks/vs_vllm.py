@@ -45,7 +45,8 @@ from batchserve.bench.workload import WorkItem
 from batchserve.runner.loader import resolve_model_path
 from benchmarks.foundation import offline_workload
 from benchmarks.report_md import publish
-from benchmarks.servers import RssSampler, Server, start_batchserve, start_llamacpp, start_vllm, started
+from benchmarks.servers import (RssSampler, Server, llamacpp_cmd, start_batchserve, start_llamacpp, start_vllm,
+                               started)
 from benchmarks.vs_llamacpp import SLOT_CTX
 from benchmarks.vllm_setup import DEFAULT_HF_DIR, DEFAULT_VENV, VLLM_VERSION, install, write_hf_dir
 
@@ -160,9 +161,10 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"rate": rate, "rows": rows}, fh, indent=1)
 
     vargs = f" {a.vllm_args}" if a.vllm_args else ""
-    llama = "" if not a.llama_server else (
-        f" llama.cpp: `llama-server -m GGUF -np {a.requests} -c {a.requests * SLOT_CTX} -fa off` (threads: all cores), "
-        "the same Q4_1 file.")
+    llama = ""
+    if a.llama_server:
+        cmd = llamacpp_cmd(a.llama_server, "GGUF", a.requests, SLOT_CTX, "PORT")[1:]
+        llama = f" llama.cpp: `llama-server {' '.join(cmd)}`, on the same Q4_1 file."
     when = f"{datetime.datetime.now():%Y-%m-%d %H:%M}"
     lines = [TITLE, "", f"`python -m benchmarks.vs_vllm {' '.join(argv)}` — {when}, {platform.machine()}, "
              f"{os.cpu_count()} cores. batchserve: `serve {a.batchserve_args or '(default flags)'}` "

@@ -140,12 +140,13 @@ class Plan:
 
 def plan_batch(waits: Sequence[float], e2e: Sequence[float | None], times: Callable[[int], BatchTimes],
                cap: int, mean_gap_s: float | None, since_s: float, targets: Targets, window_max_s: float,
-               queued: int | None = None) -> Plan:
+               sized: tuple[int, bool] | None = None) -> Plan:
     """The control law in the module docstring. `waits` (seconds) and `e2e` (each request's
     end-to-end target, None for none) are the requests offered, in `offer_order`'s order, at
     least the first cap of them; `times(b)` gives F, D, B for a batch of b; the arrival gap is the
     larger of `mean_gap_s` (None: no arrivals seen) and `since_s`, the time since the last;
-    `queued`: how many wait in all (None: those offered).
+    `sized`: `batch_cap`'s answer when the caller has it (None: asked here, the offered
+    requests taken as all that wait).
 
     When it waits, `wait_s` is exact: with no arrival the plan first says launch then (the gap
     grows with the silence, so the batch comes to keep pace, or a member to be late)."""
@@ -154,8 +155,8 @@ def plan_batch(waits: Sequence[float], e2e: Sequence[float | None], times: Calla
         return Plan(False, 0, math.inf)
     g = math.inf if mean_gap_s is None else mean_gap_s
     gap = arrival_gap(mean_gap_s, since_s)
-    c, paced = batch_cap(times, cap, targets, gap, d if queued is None else queued,
-                         any(is_overdue(w, e, targets) for w, e in zip(waits, e2e)))
+    c, paced = sized if sized is not None else batch_cap(
+        times, cap, targets, gap, d, any(is_overdue(w, e, targets) for w, e in zip(waits, e2e)))
     size = min(d, c)
     now_t, next_t = times(size), times(min(size + 1, c))
     # the batch keeps pace once the gap reaches need: d >= B / gap; with targets, once a newcomer
@@ -184,7 +185,7 @@ def arrival_gap(mean_gap_s: float | None, since_s: float) -> float:
 
 
 def batch_cap(times: Callable[[int], BatchTimes], top: int, targets: Targets, gap: float, queued: int,
-              overdue: bool = True) -> tuple[int, bool]:
+              overdue: bool) -> tuple[int, bool]:
     """c of the control law, and whether the load puts the targets out of reach (c is then the
     pace size, larger than the targets allow). `queued`: how many wait in all; `overdue`: whether
     one of them has waited twice its target."""

@@ -91,14 +91,14 @@ class DynamicPolicy(RequestLevelPolicy):
 
         since = 0.0 if self.last_arrival is None else now - self.last_arrival
         overdue = any(is_overdue(w, e, self.targets) for w, e in zip(waits, e2e))
-        c, paced = batch_cap(times, cap, self.targets, arrival_gap(self.mean_gap_s, since), len(sched.waiting),
-                             overdue)
+        sized = batch_cap(times, cap, self.targets, arrival_gap(self.mean_gap_s, since), len(sched.waiting), overdue)
+        c, paced = sized
         order = list(range(len(head))) if paced else offer_order(waits, e2e, [r.max_tokens for r in head],
                                                                    times(min(len(head), c)), self.targets)
         self.offered = None if order == list(range(len(head))) else [head[i] for i in order]
         waits, e2e = [waits[i] for i in order], [e2e[i] for i in order]
         self.plan = plan_batch(waits, e2e, times, cap, self.mean_gap_s, since, self.targets,
-                               self.config.window_max_ms / 1000.0, len(sched.waiting))
+                               self.config.window_max_ms / 1000.0, sized)
         self.max_batch = max(1, self.plan.size)
         self.window_ms = 1000.0 * (waits[0] + self.plan.wait_s) if math.isfinite(self.plan.wait_s) else \
             self.config.window_max_ms
