@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import statistics
 import time
 from typing import Any
 
@@ -142,11 +143,12 @@ LIVE_GRID = [(w, c) for w in (0.0, 50.0) for c in (16, 32)]
 LIVE_REGIMES = ("day", "on/off bursts")
 
 
-def live(n: int, seed: int, tightness: list[float]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def live(n: int, seed: int, tightness: list[float], rounds: int = 1) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The same comparison on this machine's real engine (the default model, wall clock), on a
     smaller grid: capacity and P99 at half load calibrated live as in `calibrate`, then under an
-    SLO of each `tightness` x that P99, each regime through every grid point and `dynamic`,
-    alternating in one process over one loaded model."""
+    SLO of each `tightness` x that P99, each regime through every grid point and `dynamic` in one
+    process over one loaded model, `rounds` times, the order rotating from cell to cell and round
+    to round so that no configuration always runs first or last; medians over the rounds."""
     from batchserve.config import CacheConfig, ModelConfig
     from batchserve.runner.loader import load_model
     from batchserve.runner.model_runner import ModelRunner
@@ -165,26 +167,36 @@ def live(n: int, seed: int, tightness: list[float]) -> tuple[list[dict[str, Any]
     cap = one(workload("chat", 64, SATURATION_RATE, seed), fixed, None)["throughput_rps"]
     p99 = one(workload("chat", n // 2, cap / 2, seed), fixed, None)["latency"]["e2e_ms"]["p99"]
     print(f"live: capacity {cap:.2f} req/s, P99 at half load {p99:,.0f} ms", flush=True)
-    rows, t0 = [], time.perf_counter()
-    for tight, name in ((t, name) for t in tightness for name in LIVE_REGIMES):
-        slo_ms = 100.0 * round(tight * p99 / 100.0)
+    configs: dict[Any, dict[str, Any]] = {k: dict(policy="static", window_ms=k[0], max_batch=k[1]) for k in LIVE_GRID}
+    # run_one hands every configuration slo_ms as slo_p99_ms: dynamic's target, ignored by static
+    configs["adaptive"] = dict(policy="dynamic", max_batch=max(c for _, c in LIVE_GRID),
+                               window_max_ms=max(w for w, _ in LIVE_GRID))
+    keys = list(configs)
+    cells = [(t, name) for t in tightness for name in LIVE_REGIMES]
+    runs: dict[tuple[float, str], dict[Any, list[tuple[float, float]]]] = {c: {k: [] for k in keys} for c in cells}
+    t0 = time.perf_counter()
+    for r in range(rounds):
+        for i, (tight, name) in enumerate(cells):
+            slo_ms = 100.0 * round(tight * p99 / 100.0)
+            items = regime_items(name, cap, n, seed)
+            shift = (i + r) % len(keys)
+            for k in keys[shift:] + keys[:shift]:
+                s = one(items, configs[k], slo_ms)
+                runs[(tight, name)][k].append((goodput_of(s["goodput"]["n_good"], items), s["latency"]["e2e_ms"]["p99"]))
+                print(f"live round {r + 1} {name} SLO {slo_ms:,.0f} {k}: goodput {runs[(tight, name)][k][-1][0]:.2f}, "
+                      f"P99 {runs[(tight, name)][k][-1][1]:,.0f} ms", flush=True)
+    rows = []
+    for tight, name in cells:
         items = regime_items(name, cap, n, seed)
-        configs = {k: dict(policy="static", window_ms=k[0], max_batch=k[1]) for k in LIVE_GRID}
-        # run_one hands every configuration slo_ms as slo_p99_ms: dynamic's target, ignored by static
-        configs["adaptive"] = dict(policy="dynamic", max_batch=max(c for _, c in LIVE_GRID),
-                                   window_max_ms=max(w for w, _ in LIVE_GRID))
-        score = {}
-        for k, sched in configs.items():
-            s = one(items, sched, slo_ms)
-            score[k] = (goodput_of(s["goodput"]["n_good"], items), s["latency"]["e2e_ms"]["p99"])
-            print(f"live {name} SLO {slo_ms:,.0f} {k}: goodput {score[k][0]:.2f}, P99 {score[k][1]:,.0f} ms",
-                  flush=True)
+        score = {k: (statistics.median(g for g, _ in v), statistics.median(p for _, p in v))
+                 for k, v in runs[(tight, name)].items()}
         ad = score.pop("adaptive")
         best = max(score, key=lambda k: (score[k][0], -score[k][1]))
-        rows.append({"regime": name, "rate": len(items) / max(items[-1].arrival, 1e-9), "slo_ms": slo_ms,
-                     "best": best, "best_goodput": score[best][0], "best_p99": score[best][1],
-                     "default": score[(50.0, 32)], "adaptive_goodput": ad[0], "adaptive_p99": ad[1]})
-    return rows, {"capacity": cap, "p99_half": p99, "tightness": tightness, "n": n, "seed": seed,
+        rows.append({"regime": name, "rate": len(items) / max(items[-1].arrival, 1e-9),
+                     "slo_ms": 100.0 * round(tight * p99 / 100.0), "best": best, "best_goodput": score[best][0],
+                     "best_p99": score[best][1], "default": score[(50.0, 32)], "adaptive_goodput": ad[0],
+                     "adaptive_p99": ad[1]})
+    return rows, {"capacity": cap, "p99_half": p99, "tightness": tightness, "n": n, "seed": seed, "rounds": rounds,
                   "wall_s": time.perf_counter() - t0, "model": loaded.name}
 
 
@@ -196,7 +208,8 @@ def live_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     out = [f"## {SECTION}, live", "", f"The question above on this engine ({datetime.date.today().isoformat()}; {cpu}, {os.cpu_count()} cores, "
            f"{meta['model']}; command `python -m benchmarks.adaptive --live --live-requests {meta['n']} --tightness "
-           f"{','.join(f'{k:g}' for k in meta['tightness'])}`; one run per cell, "
+           f"{','.join(f'{k:g}' for k in meta['tightness'])} --rounds {meta['rounds']}`; "
+           f"{meta['rounds']} run(s) per configuration and cell, the order rotating, medians; "
            f"{meta['n']} requests, seed {meta['seed']}): capacity under 50 ms / 32 {meta['capacity']:.2f} req/s, "
            f"SLO end to end, {' or '.join(f'{k:g}x' for k in meta['tightness'])} its P99 at half load "
            f"({meta['p99_half']:,.0f} ms). Grid: windows "
@@ -214,10 +227,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tightness", default="2,1", help="SLOs as multiples of the calibrated P99, comma-separated")
     ap.add_argument("--live", action="store_true", help="instead: day and on/off bursts on the real engine")
     ap.add_argument("--live-requests", type=int, default=80, help="requests per live run")
+    ap.add_argument("--rounds", type=int, default=1, help="live: runs of every configuration per cell (medians)")
     ap.add_argument("--out", default=None, help="write the section into this Markdown file")
     a = ap.parse_args(argv)
     if a.live:
-        rows, meta = live(a.live_requests, int(a.seeds.split(",")[0]), [float(x) for x in a.tightness.split(",")])
+        rows, meta = live(a.live_requests, int(a.seeds.split(",")[0]), [float(x) for x in a.tightness.split(",")],
+                          a.rounds)
         text, heading = live_markdown(rows, meta), f"## {SECTION}, live"
     else:
         rows, meta = run(a.requests, [int(x) for x in a.seeds.split(",")], [float(x) for x in a.tightness.split(",")])

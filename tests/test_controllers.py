@@ -7,7 +7,7 @@ import pytest
 
 from batchserve.core.controllers import (BatchTimes, SortedWindow, Targets, batch_cap, batch_times,
                                          bucket_distance, ewma, length_bucket, longest_of, offer_order, percentile,
-                                         pace_size, plan_batch, slo_size)
+                                         pace_size, plan_batch, rate_size, slo_size)
 
 def linear(base: float, per: float):
     """times(b) for a batch whose whole time is base + per * b s (prefill a tenth of it)."""
@@ -93,10 +93,31 @@ def test_a_load_the_targets_cannot_keep_pace_with_takes_the_pace_size():
     # overdue: waited twice its target; out of reach, the batch keeps pace with the queue
     p = plan([4.0] + [0.5] * 19, times, rate=6.0, targets=t)
     assert p.launch and p.size == 19
-    assert plan([3.9] + [0.5] * 19, times, rate=6.0, targets=t).size == 10
+    # nobody overdue: the rate size, 5 of those who waited 0.5 s meet 2 s in a batch of 5
+    assert plan([3.9] + [0.5] * 19, times, rate=6.0, targets=t).size == 5
     # and launches by the rule without targets: 12 wait, 12 < 6 x B(12) = 13.2
     p = plan([4.0] + [0.0] * 11, times, rate=6.0, targets=t, window_max=5.0)
     assert not p.launch and p.size == 12
+
+
+def test_the_rate_size_serves_the_most_in_time_per_second():
+    times, t = linear(1.0, 0.1), Targets(e2e=2.0)  # B(b) = 1 + 0.1 b; the SLO allows 10
+    fresh = [0.0] * 12
+    # nobody has waited: the batch the SLO allows, the most a second (10 / 2.0 s)
+    assert rate_size(times, 10, t, fresh, [2.0] * 12) == 10
+    # 12 have waited 0.7 s: they meet 2 s in a batch of 3 at most (0.7 + 1.3), so 3 go
+    assert rate_size(times, 10, t, [0.7] * 12, [2.0] * 12) == 3
+    # 2 of them and a fresh one: a batch of 10 counts its 7 empty seats as newcomers, 8 in time
+    # in 2 s against the 3 in 1.3 s of a batch that keeps the two
+    assert rate_size(times, 10, t, [0.7] * 2 + [0.0], [2.0] * 3) == 10
+    # nobody can make it: the most requests a second; no target: the cap
+    assert rate_size(times, 10, t, [5.0] * 12, [2.0] * 12) == 10
+    assert rate_size(times, 10, Targets(), [0.7] * 12, [None] * 12) == 10
+    # the floor: a long-run 4/s needs b >= 4 (1 + 0.1 b) / 0.85, b >= 9, where the 12 miss: then
+    # the most a second
+    assert batch_cap(times, 32, t, math.inf, 12, False, [0.7] * 12, [2.0] * 12) == (3, False)
+    assert batch_cap(times, 32, t, math.inf, 12, False, [0.7] * 12, [2.0] * 12, long_gap=0.25) == (10, False)
+    assert batch_cap(times, 32, t, 1.0, 12, False, [0.7] * 12, [2.0] * 12, long_gap=1.0) == (3, False)  # 1/s: f = 2
 
 
 def test_late_requests_give_way_unless_they_ride_or_are_overdue():

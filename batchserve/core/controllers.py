@@ -31,26 +31,41 @@ members' bound, so it costs them one more row a step; a request that has waited 
 target goes whatever it costs, so none waits without bound. With no request on time, none
 late, no target set, or the targets out of the load's reach (below), this is the queue's order.
 
-Size. The batch takes the first min(d, c) of them, where c is the largest size whose
-batch meets the targets for a request that has not waited at all (at most the cap; 1 if none):
+Size. The batch takes the first min(d, c) of them, where c is the size that serves the most
+requests within their targets per second of engine time, among the sizes the targets allow (up
+to s) and the long-run load needs (from f):
 
-    c = max{ b <= cap : F(b) <= ttft, D(b) <= tpot, B(b) <= e2e }
+    c = argmax{ good(b) / busy(b) : f <= b <= s }     the smallest on a tie; with none good, of b / B(b)
+    s = max{ b <= cap : F(b) <= ttft, D(b) <= tpot, B(b) <= e2e }              (1 if none)
+    f = min{ b <= s : b >= B(b) / (h * G) }                                    (s if none)
 
-A larger batch would make every member miss; a smaller one leaves requests behind for a whole
-batch, which costs them more than the larger batch saves its members wherever a batch's time
-grows more slowly than its size (up to the throughput knee, which bounds the cap when a profile
-gives one).
+counted over this batch and, when it leaves some of the d waiting, the batch of the rest right
+after it (b2 = min(d - b, b) of them, each having waited B(b) longer):
+
+    good(b) = g1 + min(b2, max(0, m2 - g1)),  g1 = min(b, m1 + max(0, b - d)),  busy(b) = B(b) + B(b2)
+
+with m1 and m2 the waiting who meet their targets in the first batch and in the second, G the
+mean arrival gap over the last 30 s and h = 0.85. Past s every member misses, even one that has
+not waited. Below it, a larger batch takes more of the queue but runs longer: those who have
+waited may miss in it, and past the throughput knee its time grows as fast as its size. A
+smaller one serves the on-time first and leaves the rest for the next, which costs them a
+batch's wait: where batches cost about their size (a CPU past its knee) that split wins through
+a burst, where a larger batch is nearly free (a GPU below its knee) the one batch does. Seats
+past the waiting count as newcomers that meet their targets. The two batches look no further:
+under a sustained load, batches that only just keep up let the queue grow, so no batch is
+smaller than f, the size that keeps pace with the long-run arrival rate while busy at most h of
+the time (the 30 s average a burst out). With no target set, c = s = cap.
 
 Unless the load puts the targets out of reach. With q requests waiting in all, the pace size
 
     p = min{ b <= cap : b >= max(0, q - b) + B(b) / gap }     (cap if none)
 
 is the smallest batch that leaves no more waiting than it takes (those it leaves, plus those
-arriving while it runs). When p > c, batches the targets allow fall behind. Through a burst
+arriving while it runs). When p > s, batches the targets allow fall behind. Through a burst
 that is the right trade: holding late requests back keeps the on-time ones within target, and
 the queue drains when the burst ends. Once a request has waited twice its target (overdue),
 the load has outlasted that: the queue grows for as long as it lasts, and every request in it
-misses by more. So when p > c, someone is overdue, and a TTFT or end-to-end target is set (one
+misses by more. So when p > s, someone is overdue, and a TTFT or end-to-end target is set (one
 that waiting breaks), c = p, the queue is offered in its own order, and the batch launches by
 the rules without targets: the fixed point that serves the most, until the backlog is gone. A
 TPOT target alone is not broken by waiting, so a backlog never outgrows it.
@@ -82,6 +97,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+HEADROOM = 0.85  # h of the control law: the busiest a batch size may be at the long-run arrival rate
 StepTime = Callable[[int, int], float]  # (tokens in the step, sequences in it) -> seconds
 
 
@@ -156,7 +172,7 @@ def plan_batch(waits: Sequence[float], e2e: Sequence[float | None], times: Calla
     g = math.inf if mean_gap_s is None else mean_gap_s
     gap = arrival_gap(mean_gap_s, since_s)
     c, paced = sized if sized is not None else batch_cap(
-        times, cap, targets, gap, d, any(is_overdue(w, e, targets) for w, e in zip(waits, e2e)))
+        times, cap, targets, gap, d, any(is_overdue(w, e, targets) for w, e in zip(waits, e2e)), waits, e2e)
     size = min(d, c)
     now_t, next_t = times(size), times(min(size + 1, c))
     # the batch keeps pace once the gap reaches need: d >= B / gap; with targets, once a newcomer
@@ -185,15 +201,44 @@ def arrival_gap(mean_gap_s: float | None, since_s: float) -> float:
 
 
 def batch_cap(times: Callable[[int], BatchTimes], top: int, targets: Targets, gap: float, queued: int,
-              overdue: bool) -> tuple[int, bool]:
+              overdue: bool, waits: Sequence[float] = (), e2e: Sequence[float | None] = (),
+              long_gap: float = math.inf) -> tuple[int, bool]:
     """c of the control law, and whether the load puts the targets out of reach (c is then the
     pace size, larger than the targets allow). `queued`: how many wait in all; `overdue`: whether
-    one of them has waited twice its target."""
-    c = slo_size(times, top, targets)
-    if not overdue or (targets.ttft is None and targets.e2e is None):
-        return c, False
-    p = pace_size(times, top, gap, queued)
-    return (p, True) if p > c else (c, False)
+    one of them has waited twice its target; `waits` and `e2e`: the waiting, as `plan_batch`
+    takes them (none: the rate counts newcomers only); `long_gap`: G, the long-run arrival gap
+    (inf: no floor)."""
+    s = slo_size(times, top, targets)
+    if overdue and (targets.ttft is not None or targets.e2e is not None):
+        p = pace_size(times, top, gap, queued)
+        if p > s:
+            return p, True
+    return rate_size(times, s, targets, waits, e2e, pace_size(times, s, HEADROOM * long_gap, 0)), False
+
+
+def rate_size(times: Callable[[int], BatchTimes], top: int, targets: Targets, waits: Sequence[float],
+              e2e: Sequence[float | None], floor: int = 1) -> int:
+    """The control law's c: the argmax of good(b) / busy(b) over floor <= b <= top, the smallest
+    on a tie and, where no size serves anyone in time, the one of most requests per second; top
+    when no target is set or the model knows nothing."""
+    if not targets.any:
+        return top
+    d, best, key = len(waits), top, (-1.0, -1.0)
+    for b in range(max(1, min(floor, top)), top + 1):
+        t = times(b)
+        if t.total <= 0:
+            return top
+        m = sum(1 for w, e in zip(waits, e2e) if _meets(w, e, t, targets))
+        good, busy = min(b, m + max(0, b - d)), t.total
+        if d > b:  # those it leaves go in the batch right after
+            b2 = min(d - b, b)
+            t2 = times(b2)
+            m2 = sum(1 for w, e in zip(waits, e2e) if _meets(w + t.total, e, t2, targets))
+            good, busy = good + min(b2, max(0, m2 - good)), busy + t2.total
+        k = (good / busy, b / t.total)
+        if k > key:
+            best, key = b, k
+    return best
 
 
 def pace_size(times: Callable[[int], BatchTimes], top: int, gap: float, queued: int) -> int:

@@ -2,8 +2,9 @@
 
 While no batch runs, every step asks `controllers.offer_order` and `controllers.plan_batch`
 (the module's docstring states the control law) which of the waiting requests are offered a
-place, whether to launch now, and with how many of them, from:
-- the arrival gap (an EWMA of gaps; a silence longer than it counts as the gap);
+place, whether to launch now, and with how many of them (`controllers.batch_cap`), from:
+- the arrival gap (an EWMA of gaps; a silence longer than it counts as the gap), and the
+  long-run one (the mean over the last LONG_S seconds);
 - predicted batch times, from the scheduler's step-time model (fitted on measured steps, or a
   `batchserve profile`), the waiting prompts, and the longest output expected among b members
   (recent output lengths), scaled by how measured batches compared with their prediction at
@@ -20,6 +21,7 @@ bucket to the first one offered, which cuts padding (sequence-level batching).
 from __future__ import annotations
 
 import math
+from collections import deque
 from itertools import islice
 from typing import TYPE_CHECKING, Iterable
 
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
 
 GAP_ALPHA = 0.2  # weight of the newest arrival gap
 FIT_ALPHA = 0.3  # weight of the newest batch's measured / predicted time
+LONG_S = 30.0  # the window of the long-run arrival rate
 
 
 def _ms(x: float | None) -> float | None:
@@ -58,6 +61,8 @@ class DynamicPolicy(RequestLevelPolicy):
         self.targets = Targets(_ms(cfg.slo_ttft_ms), _ms(cfg.slo_tpot_ms), _ms(cfg.slo_p99_ms))
         self.mean_gap_s: float | None = None
         self.last_arrival: float | None = None
+        self.first_arrival: float | None = None
+        self.recent: deque[float] = deque()  # arrival times of the last LONG_S seconds
         self.outputs = SortedWindow()  # output lengths of recent finished members
         self.fit = 1.0  # measured / predicted batch time, smoothed
         self.plan: Plan | None = None
@@ -68,6 +73,17 @@ class DynamicPolicy(RequestLevelPolicy):
         if self.last_arrival is not None:
             self.mean_gap_s = ewma(self.mean_gap_s, max(0.0, now - self.last_arrival), GAP_ALPHA)
         self.last_arrival = now
+        if self.first_arrival is None:
+            self.first_arrival = now
+        self.recent.append(now)
+
+    def _long_gap(self, now: float) -> float:
+        """Seconds per arrival over the last LONG_S seconds (since the first arrival, if sooner)."""
+        while self.recent and self.recent[0] < now - LONG_S:
+            self.recent.popleft()
+        if self.first_arrival is None or len(self.recent) < 2:
+            return math.inf
+        return min(LONG_S, now - self.first_arrival) / len(self.recent)
 
     def update_controls(self, sched: "Scheduler", now: float) -> None:
         self.plan, self.offered = None, None
@@ -91,7 +107,8 @@ class DynamicPolicy(RequestLevelPolicy):
 
         since = 0.0 if self.last_arrival is None else now - self.last_arrival
         overdue = any(is_overdue(w, e, self.targets) for w, e in zip(waits, e2e))
-        sized = batch_cap(times, cap, self.targets, arrival_gap(self.mean_gap_s, since), len(sched.waiting), overdue)
+        sized = batch_cap(times, cap, self.targets, arrival_gap(self.mean_gap_s, since), len(sched.waiting), overdue,
+                          waits, e2e, self._long_gap(now))
         c, paced = sized
         order = list(range(len(head))) if paced else offer_order(waits, e2e, [r.max_tokens for r in head],
                                                                    times(min(len(head), c)), self.targets)
