@@ -172,30 +172,27 @@ def live(n: int, seed: int, tightness: list[float], rounds: int = 1) -> tuple[li
     configs["adaptive"] = dict(policy="dynamic", max_batch=max(c for _, c in LIVE_GRID),
                                window_max_ms=max(w for w, _ in LIVE_GRID))
     keys = list(configs)
-    cells = [(t, name) for t in tightness for name in LIVE_REGIMES]
-    runs: dict[tuple[float, str], dict[Any, list[tuple[float, float]]]] = {c: {k: [] for k in keys} for c in cells}
+    # one cell per (SLO, regime): its SLO, its arrivals, and each configuration's (goodput, P99) runs
+    cells = [(100.0 * round(t * p99 / 100.0), name, regime_items(name, cap, n, seed))
+             for t in tightness for name in LIVE_REGIMES]
+    runs: list[dict[Any, list[tuple[float, float]]]] = [{k: [] for k in keys} for _ in cells]
     t0 = time.perf_counter()
     for r in range(rounds):
-        for i, (tight, name) in enumerate(cells):
-            slo_ms = 100.0 * round(tight * p99 / 100.0)
-            items = regime_items(name, cap, n, seed)
+        for i, (slo_ms, name, items) in enumerate(cells):
             shift = (i + r) % len(keys)
             for k in keys[shift:] + keys[:shift]:
                 s = one(items, configs[k], slo_ms)
-                runs[(tight, name)][k].append((goodput_of(s["goodput"]["n_good"], items), s["latency"]["e2e_ms"]["p99"]))
-                print(f"live round {r + 1} {name} SLO {slo_ms:,.0f} {k}: goodput {runs[(tight, name)][k][-1][0]:.2f}, "
-                      f"P99 {runs[(tight, name)][k][-1][1]:,.0f} ms", flush=True)
+                runs[i][k].append((goodput_of(s["goodput"]["n_good"], items), s["latency"]["e2e_ms"]["p99"]))
+                print(f"live round {r + 1} {name} SLO {slo_ms:,.0f} {k}: goodput {runs[i][k][-1][0]:.2f}, "
+                      f"P99 {runs[i][k][-1][1]:,.0f} ms", flush=True)
     rows = []
-    for tight, name in cells:
-        items = regime_items(name, cap, n, seed)
-        score = {k: (statistics.median(g for g, _ in v), statistics.median(p for _, p in v))
-                 for k, v in runs[(tight, name)].items()}
+    for (slo_ms, name, items), cell in zip(cells, runs):
+        score = {k: (statistics.median(g for g, _ in v), statistics.median(p for _, p in v)) for k, v in cell.items()}
         ad = score.pop("adaptive")
         best = max(score, key=lambda k: (score[k][0], -score[k][1]))
-        rows.append({"regime": name, "rate": len(items) / max(items[-1].arrival, 1e-9),
-                     "slo_ms": 100.0 * round(tight * p99 / 100.0), "best": best, "best_goodput": score[best][0],
-                     "best_p99": score[best][1], "default": score[(50.0, 32)], "adaptive_goodput": ad[0],
-                     "adaptive_p99": ad[1]})
+        rows.append({"regime": name, "rate": len(items) / max(items[-1].arrival, 1e-9), "slo_ms": slo_ms,
+                     "best": best, "best_goodput": score[best][0], "best_p99": score[best][1],
+                     "default": score[(50.0, 32)], "adaptive_goodput": ad[0], "adaptive_p99": ad[1]})
     return rows, {"capacity": cap, "p99_half": p99, "tightness": tightness, "n": n, "seed": seed, "rounds": rounds,
                   "wall_s": time.perf_counter() - t0, "model": loaded.name}
 

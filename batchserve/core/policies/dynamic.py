@@ -81,7 +81,7 @@ class DynamicPolicy(RequestLevelPolicy):
         """Seconds per arrival over the last LONG_S seconds (since the first arrival, if sooner)."""
         while self.recent and self.recent[0] < now - LONG_S:
             self.recent.popleft()
-        if self.first_arrival is None or len(self.recent) < 2:
+        if len(self.recent) < 2:  # first_arrival is set once anything arrived
             return math.inf
         return min(LONG_S, now - self.first_arrival) / len(self.recent)
 
