@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=1000, help="requests per regime and seed")
     ap.add_argument("--seeds", default="0,1,2", help="workload seeds, comma-separated")
-    ap.add_argument("--tightness", default="2,1", help="SLOs as multiples of the calibrated P99, comma-separated")
+    ap.add_argument("--tightness", default="2,1,0.5", help="SLOs as multiples of the calibrated P99, comma-separated")
     ap.add_argument("--live", action="store_true", help="instead: day and on/off bursts on the real engine")
     ap.add_argument("--live-requests", type=int, default=80, help="requests per live run")
     ap.add_argument("--rounds", type=int, default=1, help="live: runs of every configuration per cell (medians)")

@@ -6,8 +6,8 @@ import math
 import pytest
 
 from batchserve.core.controllers import (BatchTimes, SortedWindow, Targets, batch_cap, batch_times,
-                                         bucket_distance, ewma, length_bucket, longest_of, offer_order, percentile,
-                                         pace_size, plan_batch, rate_size, slo_size)
+                                         bucket_distance, decode_time, ewma, expected_lengths, length_bucket,
+                                         offer_order, percentile, pace_size, plan_batch, rate_size, slo_size)
 
 def linear(base: float, per: float):
     """times(b) for a batch whose whole time is base + per * b s (prefill a tenth of it)."""
@@ -147,16 +147,35 @@ def test_an_empty_model_launches_everything_at_once():
 
 def test_batch_times_prefill_in_budget_steps_then_decodes():
     step = lambda tokens, seqs: 0.001 * tokens + 0.01  # noqa: E731
-    t = batch_times(step, 4, 100.0, 10, token_budget=256)  # 400 tokens: 2 steps of 200
+    t = batch_times(step, 4, 100.0, [10] * 4, token_budget=256)  # 400 tokens: 2 steps of 200
     assert t.first == pytest.approx(2 * (0.2 + 0.01))
     assert t.decode == pytest.approx(0.014)
     assert t.total == pytest.approx(t.first + 9 * 0.014)
 
 
-def test_longest_of_b_outputs_and_the_sorted_window():
+def test_batch_times_run_fewer_rows_as_members_finish():
+    step = lambda tokens, seqs: 0.01 * seqs  # noqa: E731 - a step costs its rows (a CPU past its knee)
+    t = batch_times(step, 3, 10.0, [2, 5, 11], token_budget=1000)
+    # 1 step of 3 rows (tokens 1 -> 2), 3 of 2 (-> 5), 6 of 1 (-> 11): the last result at token 11
+    assert t.total - t.first == pytest.approx(0.03 + 3 * 0.02 + 6 * 0.01)
+    assert t.decode == pytest.approx(0.03)  # the first decode step, all rows in
+    assert decode_time(step, [1, 1, 1]) == 0.0 and decode_time(step, [4]) == pytest.approx(0.03)
+
+
+def test_expected_lengths_from_max_tokens_and_recent_outputs():
+    # outputs cut at their max_tokens (inf): members run to theirs, exactly
+    assert expected_lengths([30, 5, 12], [math.inf] * 10) == [5, 12, 30]
+    assert expected_lengths([30, 5, 12], []) == [5, 12, 30]
+    # outputs ending well before max_tokens: the expected order statistics of b draws
     outs = list(range(1, 101))
-    assert longest_of(1, outs) == 51 and longest_of(9, outs) == 91 and longest_of(1000, outs) == 100
-    assert longest_of(4, []) == 1
+    assert expected_lengths([1000] * 3, outs) == [26, 51, 76]
+    assert expected_lengths([1000] * 9, outs)[-1] == 91 and expected_lengths([1000], outs) == [51]
+    # a member's own max_tokens bounds it; a mix of cut and ended outputs lifts the top quantiles
+    assert expected_lengths([1000, 1000, 20], outs) == [20, 51, 76]
+    assert expected_lengths([1000] * 3, sorted(list(range(1, 51)) + [math.inf] * 50)) == [26, 1000, 1000]
+
+
+def test_the_sorted_window():
     w = SortedWindow(size=3)
     for x in (5, 1, 9, 3):
         w.add(x)

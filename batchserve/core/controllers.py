@@ -8,11 +8,16 @@ The control law. A batch of b requests with mean prompt p, launched now, is pred
 
     F(b) = k * step(b*p / k, b),  k = ceil(b*p / T)     its prefill: the members' first tokens
     D(b) = step(b, b)                                   one decode step: their time per token
-    B(b) = F(b) + (L(b) - 1) * D(b)                     the whole batch, to its last result
+    B(b) = F(b) + sum_j (l_j - l_j-1) * step(n_j, n_j),  n_j = b - j + 1    to its last result
 
-with T the step's token budget, step() the engine's latency model, and L(b) the longest of b
-outputs (the b/(b+1) quantile of recent output lengths, at most the members' max_tokens). A
-request that has waited w meets its targets in that batch when every target that is set holds:
+with T the step's token budget, step() the engine's latency model, and l_1 <= ... <= l_b the
+members' expected output lengths (l_0 = 1): the j-th smallest of their max_tokens, capped at the
+j/(b+1) quantile of recent output lengths, where an output cut at its max_tokens counts as
+longer than any. A member leaves the steps when its output ends, so from l_j-1 to l_j the batch
+runs n_j rows, and its last result comes at l_b. Where outputs run to their max_tokens the
+lengths are exact; where they end well before it, they are the expected order statistics of b
+draws. The members are the first b offered (below). A request that has waited w meets its
+targets in that batch when every target that is set holds:
 
     w + F(b) <= ttft,   D(b) <= tpot,   w + B(b) <= e2e     (e2e: the tighter of the SLO and its deadline)
 
@@ -130,19 +135,37 @@ class BatchTimes:
     total: float
 
 
-def longest_of(b: int, outputs: Sequence[int]) -> int:
-    """The expected longest of b outputs drawn from `outputs` (sorted): its b/(b+1) quantile."""
-    if not outputs:
-        return 1
-    return outputs[min(len(outputs) - 1, int(len(outputs) * b / (b + 1)))]
+def expected_lengths(max_tokens: Sequence[int], outputs: Sequence[float]) -> list[int]:
+    """The ℓ of the control law: the expected output lengths of members with these max_tokens,
+    ascending. The j-th smallest of b is m_(j) capped at the j/(b+1) quantile of `outputs` (the
+    sorted recent lengths, where one cut at its max_tokens counts as inf: it would have gone on);
+    with no outputs seen, each member's max_tokens."""
+    ms, n = sorted(max_tokens), len(outputs)
+    if not n:
+        return ms
+    b = len(ms)
+    return [int(min(m, outputs[min(n - 1, n * j // (b + 1))])) for j, m in enumerate(ms, 1)]
 
 
-def batch_times(step: StepTime, b: int, prompt_len: float, longest: int, token_budget: int) -> BatchTimes:
+def batch_times(step: StepTime, b: int, prompt_len: float, lengths: Sequence[int], token_budget: int) -> BatchTimes:
+    """F(b), D(b) and B(b) for b members with mean prompt `prompt_len` and output `lengths`
+    (ascending, b of them; fewer are padded with the last)."""
     tokens = max(1, round(b * prompt_len))
     k = -(-tokens // max(1, token_budget))
     first = k * step(-(-tokens // k), b)
-    decode = step(b, b)
-    return BatchTimes(first, decode, first + max(0, longest - 1) * decode)
+    ls = list(lengths[:b]) + [lengths[-1] if lengths else 1] * max(0, b - len(lengths))
+    return BatchTimes(first, step(b, b), first + decode_time(step, ls))
+
+
+def decode_time(step: StepTime, lengths: Sequence[int]) -> float:
+    """Σ_t step(n_t, n_t) over the decode steps of members with these output `lengths`
+    (ascending): n_t of them run at step t, those with more than t tokens."""
+    total, prev, b = 0.0, 1, len(lengths)
+    for k, ln in enumerate(lengths):
+        if ln > prev:
+            total += (ln - prev) * step(b - k, b - k)
+            prev = ln
+    return total
 
 
 @dataclass(frozen=True)
@@ -314,14 +337,14 @@ def slo_size(times: Callable[[int], BatchTimes], top: int, targets: Targets) -> 
 
 
 class SortedWindow:
-    """The last `size` values of a stream, kept sorted (for `longest_of`)."""
+    """The last `size` values of a stream, kept sorted (for `expected_lengths`)."""
 
     def __init__(self, size: int = 256) -> None:
         self.size = size
-        self._order: list[int] = []
-        self.values: list[int] = []
+        self._order: list[float] = []
+        self.values: list[float] = []
 
-    def add(self, x: int) -> None:
+    def add(self, x: float) -> None:
         self._order.append(x)
         bisect.insort(self.values, x)
         if len(self._order) > self.size:

@@ -6,9 +6,10 @@ place, whether to launch now, and with how many of them (`controllers.batch_cap`
 - the arrival gap (an EWMA of gaps; a silence longer than it counts as the gap), and the
   long-run one (the mean over the last LONG_S seconds);
 - predicted batch times, from the scheduler's step-time model (fitted on measured steps, or a
-  `batchserve profile`), the waiting prompts, and the longest output expected among b members
-  (recent output lengths), scaled by how measured batches compared with their prediction at
-  the longest output each had (how long outputs run is the lengths' part, not the model's);
+  `batchserve profile`), the waiting prompts, and the output lengths expected of b members
+  (their max_tokens and recent output lengths), scaled by how measured batches compared with
+  their prediction at the outputs each had (how long outputs run is the lengths' part, not the
+  model's);
 - the targets the user set (`slo_ttft_ms`, `slo_tpot_ms`, `slo_p99_ms` end to end) and each
   request's own deadline. None is assumed when unset;
 - each waiting request's max_tokens, the bound on its output.
@@ -23,12 +24,12 @@ from __future__ import annotations
 import math
 from collections import deque
 from itertools import islice
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from batchserve.config import SchedulerConfig
 from batchserve.core.controllers import (BatchTimes, Plan, SortedWindow, Targets, arrival_gap, batch_cap,
-                                         batch_times, bucket_distance, ewma, is_overdue, length_bucket,
-                                         longest_of, offer_order, plan_batch)
+                                         batch_times, bucket_distance, decode_time, ewma, expected_lengths,
+                                         is_overdue, length_bucket, offer_order, plan_batch)
 from batchserve.core.latency import LatencyModel, ProfiledLatencyModel
 from batchserve.core.policies.request_level import RequestLevelPolicy
 from batchserve.request import Request, RequestStatus
@@ -63,11 +64,12 @@ class DynamicPolicy(RequestLevelPolicy):
         self.last_arrival: float | None = None
         self.first_arrival: float | None = None
         self.recent: deque[float] = deque()  # arrival times of the last LONG_S seconds
-        self.outputs = SortedWindow()  # output lengths of recent finished members
+        self.outputs = SortedWindow()  # output lengths of recent finished members (cut at max_tokens: inf)
         self.fit = 1.0  # measured / predicted batch time, smoothed
         self.plan: Plan | None = None
         self.offered: list[Request] | None = None  # the plan's order of the waiting, where not the queue's
         self._predicted: BatchTimes | None = None  # the running batch's F and D, before `fit`
+        self._step: Callable[[int, int], float] = lambda tokens, seqs: 0.0  # its step times, before `fit`
 
     def on_add(self, sched: "Scheduler", req: Request, now: float) -> None:
         if self.last_arrival is not None:
@@ -94,16 +96,27 @@ class DynamicPolicy(RequestLevelPolicy):
         waits = [now - r.arrival_time for r in head]
         e2e = [_e2e(r, self.targets.e2e) for r in head]
         prompt = sum(r.num_prompt_tokens for r in head) / len(head)
-        longest_cap = max(r.max_tokens for r in head)
-        step, budget, fit, outs = sched.latency.predict_step, sched.config.max_num_batched_tokens, self.fit, self.outputs
-        memo: dict[int, BatchTimes] = {}
+        budget, fit, outs = sched.config.max_num_batched_tokens, self.fit, self.outputs.values
+        steps: dict[tuple[int, int], float] = {}
 
-        def times(b: int) -> BatchTimes:
-            if b not in memo:
-                longest = min(longest_cap, longest_of(b, outs.values)) if outs.values else longest_cap
-                t = batch_times(step, b, prompt, longest, budget)
-                memo[b] = BatchTimes(fit * t.first, fit * t.decode, fit * t.total)
-            return memo[b]
+        def step(tokens: int, seqs: int) -> float:
+            if (tokens, seqs) not in steps:
+                steps[tokens, seqs] = sched.latency.predict_step(tokens, seqs)
+            return steps[tokens, seqs]
+
+        def times_of(members: list[Request]) -> Callable[[int], BatchTimes]:
+            """F, D, B of a batch of the first b of `members`, scaled by the fit."""
+            memo: dict[int, BatchTimes] = {}
+
+            def times(b: int) -> BatchTimes:
+                if b not in memo:
+                    lengths = expected_lengths([r.max_tokens for r in members[:b]], outs)
+                    t = batch_times(step, b, prompt, lengths, budget)
+                    memo[b] = BatchTimes(fit * t.first, fit * t.decode, fit * t.total)
+                return memo[b]
+            return times
+
+        times = times_of(head)
 
         since = 0.0 if self.last_arrival is None else now - self.last_arrival
         overdue = any(is_overdue(w, e, self.targets) for w, e in zip(waits, e2e))
@@ -113,6 +126,8 @@ class DynamicPolicy(RequestLevelPolicy):
         order = list(range(len(head))) if paced else offer_order(waits, e2e, [r.max_tokens for r in head],
                                                                    times(min(len(head), c)), self.targets)
         self.offered = None if order == list(range(len(head))) else [head[i] for i in order]
+        if self.offered is not None:
+            times = times_of(self.offered)
         waits, e2e = [waits[i] for i in order], [e2e[i] for i in order]
         self.plan = plan_batch(waits, e2e, times, cap, self.mean_gap_s, since, self.targets,
                                self.config.window_max_ms / 1000.0, sized)
@@ -122,6 +137,7 @@ class DynamicPolicy(RequestLevelPolicy):
         if self.plan.launch:
             t = times(self.plan.size)
             self._predicted = BatchTimes(t.first / fit, t.decode / fit, t.total / fit)
+            self._step = step
 
     def should_launch(self, sched: "Scheduler", now: float) -> bool:
         return self.plan is not None and self.plan.launch
@@ -146,14 +162,15 @@ class DynamicPolicy(RequestLevelPolicy):
 
     def on_batch_end(self, sched: "Scheduler", members: list[Request], now: float) -> None:
         for r in members:
-            if r.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+            if r.status == RequestStatus.FINISHED_STOPPED:
                 self.outputs.add(r.num_output_tokens)
+            elif r.status == RequestStatus.FINISHED_LENGTH:
+                self.outputs.add(math.inf)
         p = self._predicted
         if p is not None and members:
-            # judged at the longest output the batch had: how long its outputs were is
-            # `outputs`' part, and counting it here too would scale every later batch by one draw
-            longest = max(r.num_output_tokens for r in members)
-            raw = p.first + max(0, longest - 1) * p.decode
+            # judged at the outputs the batch had: how long they were is `outputs`' part, and
+            # counting it here too would scale every later batch by one draw
+            raw = p.first + decode_time(self._step, sorted(r.num_output_tokens for r in members))
             if raw > 0:
                 self.fit = min(4.0, max(0.25, ewma(self.fit, (now - self.batch_start) / raw, FIT_ALPHA)))
         self._predicted = None
