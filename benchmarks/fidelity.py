@@ -31,7 +31,7 @@ from batchserve.bench.workload import WorkItem, make_workload
 from batchserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from batchserve.request import SamplingParams
 from batchserve.runner.profiler import run_profile, save
-from batchserve.sim.cost import ProfiledCost
+from batchserve.sim.cost import ProfiledCost, has_prompt
 from batchserve.sim.runner import simulate
 from batchserve.sim.simulator import prompt_ids
 from benchmarks.report_md import write_section
@@ -52,6 +52,7 @@ class TimedExecutor:
     def reset(self) -> None:
         self.num_steps = self.num_tokens = 0
         self.busy_time = self.predicted = self.last = 0.0  # runner seconds: summed, predicted, last step
+        self.prompt_busy = self.prompt_predicted = 0.0  # the same over steps with prompt tokens
 
     def execute(self, batch: Any) -> Any:
         t0 = time.perf_counter()
@@ -61,7 +62,11 @@ class TimedExecutor:
         self.num_tokens += batch.num_tokens
         self.busy_time += self.last
         if self.cost is not None:
-            self.predicted += self.cost.runner_time(batch)
+            p = self.cost.runner_time(batch)
+            self.predicted += p
+            if has_prompt(batch):
+                self.prompt_busy += self.last
+                self.prompt_predicted += p
         return out
 
 
@@ -114,10 +119,16 @@ def _numbers(summary: dict[str, Any]) -> dict[str, float]:
 
 
 def calibrated(profile: str, timed: TimedExecutor, overheads: list[float]) -> ProfiledCost:
-    """The profile plus what a live run measured. Means, not medians: latency sums step
-    times, so the occasional slow step counts."""
+    """The profile plus what a live run measured: the host overhead per step, and the runner's
+    time over the profile's prediction, apart for decode-only steps and steps with prompt tokens
+    (`ProfiledCost`'s `scale` and `prompt_scale`; either kind missing takes the overall ratio).
+    Means, not medians: latency sums step times, so the occasional slow step counts."""
+    overall = timed.busy_time / timed.predicted
+    decodes = timed.predicted - timed.prompt_predicted
     return ProfiledCost(profile, num_blocks=timed.num_blocks, overhead_s=statistics.fmean(overheads),
-                        scale=timed.busy_time / timed.predicted)
+                        scale=(timed.busy_time - timed.prompt_busy) / decodes if decodes > 0 else overall,
+                        prompt_scale=timed.prompt_busy / timed.prompt_predicted if timed.prompt_predicted > 0
+                        else overall)
 
 
 def run_fidelity(config: EngineConfig, profile: str, n: int, rates: list[float] | None = None, seed: int = 0,
@@ -156,7 +167,7 @@ def run_fidelity(config: EngineConfig, profile: str, n: int, rates: list[float] 
         err = {k: abs(want[k] - got[k]) / got[k] for k in got}
         rows.append({"rate": rate, "live": got, "sim": want, "rel_error": err,
                      "within": {k: err[k] <= TOLERANCE[k] for k in err}, "overhead_ms": 1e3 * cost.overhead_s,
-                     "runner_scale": cost.scale})
+                     "runner_scale": cost.scale, "prompt_scale": cost.prompt_scale})
     return rows
 
 
@@ -196,7 +207,8 @@ def main(argv: list[str] | None = None) -> None:
     table = format_rows(rows)
     text = (f"## Simulator fidelity\n\nCommand: `python -m benchmarks.fidelity` — {a.model}, {a.workload} "
             f"workload, {a.requests} requests per rate, profile `{path}`; from a warm-up run: host overhead "
-            f"{rows[0]['overhead_ms']:.2f} ms/step, runner {rows[0]['runner_scale']:.2f}x the profile."
+            f"{rows[0]['overhead_ms']:.2f} ms/step, runner {rows[0]['runner_scale']:.2f}x the profile on decode-only "
+            f"steps, {rows[0]['prompt_scale']:.2f}x on steps with prompt tokens."
             f"\n\n{table}\n")
     print(text)
     if a.out:

@@ -174,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     live = Live(runner, loaded.tokenizer, loaded.config.eos_token_id,
                 ProfiledCost(path, num_blocks=runner.num_blocks))
     cost = calibrate(live, path, a.seed)
-    print(f"calibrated: host overhead {1e3 * cost.overhead_s:.2f} ms/step, runner {cost.scale:.2f}x the profile",
+    print(f"calibrated: host overhead {1e3 * cost.overhead_s:.2f} ms/step, runner {cost.scale:.2f}x the profile on "
+          f"decode-only steps, {cost.prompt_scale:.2f}x on steps with prompt tokens",
           flush=True)
     sections = []
     for name in names:
@@ -190,8 +191,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{cpu}, {os.cpu_count()} cores, {loaded.name}; the scenarios of `batchserve simulate --scenario` (their configs, "
             f"workloads and load rules) at {a.size:g} of their request counts, run live on this engine and "
             f"simulated on this machine's profile (host overhead {1e3 * cost.overhead_s:.2f} ms/step, runner "
-            f"{cost.scale:.2f}x the profile, from a warm-up run); each side's loads follow its own measured "
-            f"saturation throughput. {time.perf_counter() - t_start:.0f} s in all.\n")
+            f"{cost.scale:.2f}x the profile on decode-only steps and {cost.prompt_scale:.2f}x on steps with prompt "
+            f"tokens, from a warm-up run); each side's loads follow its own measured saturation throughput. {time.perf_counter() - t_start:.0f} s in all.\n")
     text = "\n\n".join([head, *sections]) + "\n"
     if a.out:
         write_section(a.out, TITLE, text)

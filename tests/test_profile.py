@@ -13,11 +13,11 @@ from batchserve.runner.profiler import fit, knee
 
 def test_fit_recovers_a_known_model():
     rng = random.Random(0)
-    true = [0.002, 1e-4, 5e-4, 3e-3, 0.1]
+    true = [0.002, 1e-4, 5e-4, 3e-3, 0.1, 0.0, 0.006, 0.004]  # no knee; prompts' path 6 ms, a mixed step 4 more
     rows, times = [], []
     for _ in range(60):
-        pre = [(rng.choice([0, 64]), rng.randint(1, 400))] if rng.random() < 0.6 else []
-        dec = [rng.randint(16, 1024) for _ in range(rng.randint(0 if pre else 1, 32))]
+        pre = [(rng.choice([0, 64]), rng.randint(1, rng.choice([100, 2000])))] if rng.random() < 0.6 else []
+        dec = [rng.randint(16, 1024) for _ in range(rng.choice([0, rng.randint(1, 32)]) if pre else rng.randint(1, 32))]
         x = features(pre, dec)
         rows.append(x)
         times.append(sum(c * v for c, v in zip(true, x)) * rng.uniform(0.98, 1.02))

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from batchserve.core.latency import TERMS, ProfiledLatencyModel
 from batchserve.core.batch import ScheduledBatch, ScheduledSeq
 from batchserve.request import SamplingParams
 from batchserve.sim.cost import RooflineCost, StepShape, make_cost_model
@@ -106,3 +107,22 @@ def test_profiled_cost_evaluates_the_profile(tmp_path) -> None:
     scaled = make_cost_model(profile=str(path), kv_cache_gb=1.0, overhead_s=0.001, scale=2.0)
     assert scaled.step_time(b) == pytest.approx(2 * want + 0.001)
     assert scaled.num_blocks(16) == 2**30 // (1024 * 16)
+    # decode-only steps and steps with prompt tokens scaled apart
+    dec = ScheduledBatch(decode(3, 500).seqs)
+    apart = make_cost_model(profile=str(path), scale=0.8, prompt_scale=1.25)
+    assert apart.step_time(dec) == pytest.approx(0.8 * cost.step_time(dec))
+    assert apart.step_time(b) == pytest.approx(1.25 * want)
+
+
+def test_a_profile_prices_the_prompt_path_and_mixed_steps(tmp_path) -> None:
+    coef = {"const": 0.005, "decode_seq": 1e-3, "prompt": 0.01, "mixed": 0.004}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"fit": {"coef": coef, "context_len": 128}, "num_blocks": 64}))
+    cost = make_cost_model(profile=str(path))
+    pre, dec = prefill(10, sample=False).seqs, decode(2, 100).seqs
+    assert cost.step_time(ScheduledBatch(dec)) == pytest.approx(0.005 + 2e-3)
+    assert cost.step_time(ScheduledBatch(pre)) == pytest.approx(0.005 + 0.01)
+    assert cost.step_time(ScheduledBatch(pre + dec)) == pytest.approx(0.005 + 2e-3 + 0.01 + 0.004)
+    model = ProfiledLatencyModel(coef={t: coef.get(t, 0.0) for t in TERMS})  # the scheduler's view, by counts
+    assert model.predict_step(2, 2) == pytest.approx(0.007) and model.predict_step(10, 1) == pytest.approx(0.015)
+    assert model.predict_step(12, 3) == pytest.approx(0.021) == model.predict_step(12, 3, context=300)

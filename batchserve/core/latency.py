@@ -178,8 +178,12 @@ def tokens_within(model: LatencyModel, seconds: float, compute_left: int, batch_
 # --- the profiled model --------------------------------------------------------------------
 # Regressors of the profiled fit, in the order of its coefficients: a constant, prompt tokens,
 # decode sequences, decode context (thousands of tokens), prompt attention (millions of
-# query-key pairs), and the step's rows past the matrix products' knee.
-TERMS = ("const", "prefill_token", "decode_seq", "decode_ktoken", "prefill_mpair", "row_excess")
+# query-key pairs), the step's rows past the matrix products' knee, 1 for a step with prompt
+# tokens, and 1 for a mixed one (prompt tokens and decodes together). Where prompts and decodes
+# take different matrix-product paths (prompts on AMX tiles), each path has its own fixed cost, and
+# a mixed step streams the weights once per path.
+TERMS = ("const", "prefill_token", "decode_seq", "decode_ktoken", "prefill_mpair", "row_excess", "prompt",
+         "mixed")
 
 
 def row_excess(rows: int, row_knee: int | None) -> float:
@@ -188,11 +192,12 @@ def row_excess(rows: int, row_knee: int | None) -> float:
 
 
 def features(prefills: list[tuple[int, int]], decode_ctx: list[int], row_knee: int | None = None) -> list[float]:
-    """Regressors of one step: prefills as (start_pos, num_tokens), decodes by context length;
-    with `row_knee`, also the step's rows (tokens) past it (0 without a knee)."""
+    """Regressors of one step (`TERMS`): prefills as (start_pos, num_tokens), decodes by context
+    length; with `row_knee`, also the step's rows (tokens) past it (0 without a knee)."""
     prefill_tokens = sum(n for _, n in prefills)
     return [1.0, float(prefill_tokens), float(len(decode_ctx)), sum(decode_ctx) / 1e3,
-            sum(n * (s + n) for s, n in prefills) / 1e6, row_excess(prefill_tokens + len(decode_ctx), row_knee)]
+            sum(n * (s + n) for s, n in prefills) / 1e6, row_excess(prefill_tokens + len(decode_ctx), row_knee),
+            float(prefill_tokens > 0), float(prefill_tokens > 0 and len(decode_ctx) > 0)]
 
 
 @dataclass
@@ -232,7 +237,7 @@ class ProfiledLatencyModel:
             return self.predict(prefill, decodes)
         x = features([(0, prefill)] if prefill else [], [], self.row_knee)
         x[2], x[3] = float(decodes), max(0, context - prefill) / 1e3
-        x[5] = row_excess(prefill + decodes, self.row_knee)
+        x[5], x[7] = row_excess(prefill + decodes, self.row_knee), float(prefill > 0)
         return self._eval(x)
 
     def _eval(self, x: list[float]) -> float:
@@ -256,7 +261,7 @@ class ProfiledLatencyModel:
         with open(path) as f:
             d = json.load(f)
         fitm = d["fit"]
-        # profiles written before row_excess existed have no such term: 0, the old model
+        # profiles written before a term existed (row_excess, prompt, mixed) have none: 0, the old model
         return cls(coef={t: float(fitm["coef"].get(t, 0.0)) for t in TERMS}, context_len=int(fitm["context_len"]),
                    knee_batch=d.get("knee", {}).get("batch"), row_knee=fitm.get("row_knee"),
                    max_batch_by_context={int(k): v for k, v in d.get("max_batch_by_context", {}).items()},

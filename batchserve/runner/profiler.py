@@ -5,10 +5,11 @@ The runner executes hand-built ScheduledBatches (prompt chunks of P tokens, D de
 context of C tokens; KV contents are irrelevant to timing). The fitted step-time model is
 
     t = c + a * prefill_tokens + b * decode_seqs + d * decode_context_ktokens
-          + e * prefill_attention_mpairs
+          + e * prefill_attention_mpairs + f * rows_past_knee + g * prompt + h * mixed
 
 (context read by decodes in thousands of tokens; prompt attention in millions of query-key
-pairs), least squares with non-negative slopes. The regressors (`core.latency.features`) and
+pairs; prompt is 1 for a step with prompt tokens, mixed 1 for one with prompt tokens and
+decodes), least squares with non-negative slopes. The regressors (`core.latency.features`) and
 the model that reads the saved file back (`core.latency.ProfiledLatencyModel`) live in the
 core, which needs the file and not the runner; this module is the tool that drives a live
 ModelRunner to measure it, so it sits beside the runner.
@@ -140,14 +141,16 @@ TimeFn = Callable[[list[tuple[int, int]], list[int]], "float | None"]
 
 
 def plan(prefill_sizes: list[int], batch_sizes: list[int], contexts: list[int]) -> list[Point]:
-    """The steps to time: prompt chunks alone (first and later chunks), decode batches of each
-    size at each context (the throughput curves), and mixed steps as chunked / continuous run."""
+    """The steps to time: prompt chunks alone (first and later chunks, and a long prompt), decode
+    batches of each size at each context (the throughput curves), and mixed steps as chunked /
+    continuous run."""
     pts: list[Point] = []
     for p in prefill_sizes:
         pts += [([(0, p)], []), ([(contexts[0], p)], [])]  # a later chunk: attention over earlier context
     pts += [([], [c] * b) for c in contexts for b in batch_sizes]
     pts += [([(0, p)], [contexts[0]] * b) for p in prefill_sizes[:2] for b in batch_sizes[1::2]]
-    return pts
+    longest = prefill_sizes[-1]  # a long prompt, whole and as a late chunk: its attention grows as its square
+    return pts + [([(0, 4 * longest)], []), ([(3 * longest, longest)], [])]
 
 
 def measure(points: list[Point], time_fn: TimeFn, rounds: int, seed: int = 0) -> list[tuple[Point, list[float]]]:

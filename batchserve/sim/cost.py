@@ -190,11 +190,14 @@ class ProfiledCost:
     A step is `runner_time * scale + overhead_s`: `overhead_s` is the engine's own host time
     (scheduling, bookkeeping), which the profile, timing the runner alone, leaves out; `scale`
     corrects for a machine that runs slower or faster now than when profiled
-    (`benchmarks.fidelity` measures both on a warm-up run).
+    (`benchmarks.fidelity` measures both on a warm-up run). `prompt_scale`, when given, is the
+    scale of steps with prompt tokens, `scale` then that of decode-only ones: the fit errs
+    differently on the two (they take different paths through the model), and one ratio
+    measured on a warm-up made mostly of decodes would carry the decodes' error onto prompts.
     """
 
     def __init__(self, path: str, num_blocks: int | None = None, kv_cache_gb: float | None = None,
-                 overhead_s: float = 0.0, scale: float = 1.0) -> None:
+                 overhead_s: float = 0.0, scale: float = 1.0, prompt_scale: float | None = None) -> None:
         self.path = path
         self.profile = ProfiledLatencyModel.load(path)
         self._coef = [self.profile.coef[t] for t in TERMS]
@@ -206,9 +209,10 @@ class ProfiledCost:
         self._kv_cache_gb = kv_cache_gb
         self.overhead_s = overhead_s  # host time per step outside the runner (the profile times the runner)
         self.scale = scale  # measured / profiled runner time, when the machine runs differently now
+        self.prompt_scale = scale if prompt_scale is None else prompt_scale  # the same, of steps with prompt tokens
 
     def step_time(self, batch: ScheduledBatch) -> float:
-        return self.runner_time(batch) * self.scale + self.overhead_s
+        return self.runner_time(batch) * (self.prompt_scale if has_prompt(batch) else self.scale) + self.overhead_s
 
     def runner_time(self, batch: ScheduledBatch) -> float:
         """The profile's prediction for the runner alone."""
@@ -239,7 +243,14 @@ class ProfiledCost:
 
     def describe(self) -> dict[str, Any]:
         return {"cost_model": "profiled", "profile": self.path, "coef": dict(zip(self._terms, self._coef)),
-                "overhead_s": self.overhead_s, "scale": self.scale, "max_model_len": self.max_model_len}
+                "overhead_s": self.overhead_s, "scale": self.scale, "prompt_scale": self.prompt_scale,
+                "max_model_len": self.max_model_len}
+
+
+def has_prompt(batch: ScheduledBatch) -> bool:
+    """Whether a step computes prompt tokens (its own or paid padding's), not only decodes."""
+    return any(not s.is_decode for s in batch.seqs) or any(not (r.num_tokens == 1 and r.start_pos > 0)
+                                                            for r in batch.padding)
 
 
 def make_cost_model(hardware: str | None = None, profile: str | None = None, model: str = "llama-2-7b",
