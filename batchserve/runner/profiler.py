@@ -46,6 +46,7 @@ TINY_MODEL = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "n
 _GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
 FIT_WARN_MEAN, FIT_WARN_MAX = 0.10, 0.30  # relative fit errors past which the report warns
 SPREAD_WARN = 0.25  # a point whose rounds differ by more than this (of its median) is noisy
+WARM_S, WARM_MAX = 0.1, 50  # how long a step runs before it is timed (`time_step`), at most how many times
 
 
 def fit(rows: list[list[float]], times: list[float]) -> list[float]:
@@ -106,7 +107,14 @@ def build_batch(runner, prefills: list[tuple[int, int]], decode_ctx: list[int]) 
 
 
 def time_step(runner, batch: ScheduledBatch, reps: int) -> float:
-    runner.execute(batch)  # warm-up: allocator, kernels, caches
+    """The median of `reps` runs of one step, once it has run WARM_S seconds (at most
+    WARM_MAX times): a small step right after a large one runs slower for several repetitions
+    while the caches refill, and in a live stream such a step follows steps like it."""
+    t0 = time.perf_counter()
+    runner.execute(batch)  # allocator, kernels, caches
+    first = time.perf_counter() - t0
+    for _ in range(min(WARM_MAX, int(WARM_S / max(first, 1e-6)))):
+        runner.execute(batch)
     ts = []
     for _ in range(reps):
         t0 = time.perf_counter()
