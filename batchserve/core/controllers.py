@@ -136,10 +136,10 @@ class BatchTimes:
 
 
 def expected_lengths(max_tokens: Sequence[int], outputs: Sequence[float]) -> list[int]:
-    """The ℓ of the control law: the expected output lengths of members with these max_tokens,
-    ascending. The j-th smallest of b is m_(j) capped at the j/(b+1) quantile of `outputs` (the
-    sorted recent lengths, where one cut at its max_tokens counts as inf: it would have gone on);
-    with no outputs seen, each member's max_tokens."""
+    """The l_1 <= ... <= l_b of the control law: the expected output lengths of members with
+    these max_tokens. The j-th smallest of b is m_(j) capped at the j/(b+1) quantile of
+    `outputs` (the sorted recent lengths, where one cut at its max_tokens counts as inf: it
+    would have gone on); with no outputs seen, each member's max_tokens."""
     ms, n = sorted(max_tokens), len(outputs)
     if not n:
         return ms
