@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any, Protocol
 
-from batchserve.core.batch import ScheduledBatch
+from batchserve.core.batch import PadRow, ScheduledBatch
 from batchserve.core.latency import TERMS, ProfiledLatencyModel, features
 from batchserve.sim.hardware import GPUSpec, ModelShape, get_gpu, get_model
 
@@ -212,22 +212,14 @@ class ProfiledCost:
         self.prompt_scale = scale if prompt_scale is None else prompt_scale  # the same, of steps with prompt tokens
 
     def step_time(self, batch: ScheduledBatch) -> float:
-        return self.runner_time(batch) * (self.prompt_scale if has_prompt(batch) else self.scale) + self.overhead_s
+        prefills, decode_ctx = step_rows(batch)
+        return self._predict(prefills, decode_ctx) * (self.prompt_scale if prefills else self.scale) + self.overhead_s
 
     def runner_time(self, batch: ScheduledBatch) -> float:
         """The profile's prediction for the runner alone."""
-        prefills: list[tuple[int, int]] = []
-        decode_ctx: list[int] = []
-        for s in batch.seqs:
-            if s.is_decode:  # one token over start_pos tokens of context
-                decode_ctx.append(s.start_pos)
-            else:
-                prefills.append((s.start_pos, len(s.token_ids)))
-        for row in batch.padding:  # paid padding: a prompt chunk or a decode like any other
-            if row.num_tokens == 1 and row.start_pos > 0:
-                decode_ctx.append(row.start_pos)
-            else:
-                prefills.append((row.start_pos, row.num_tokens))
+        return self._predict(*step_rows(batch))
+
+    def _predict(self, prefills: list[tuple[int, int]], decode_ctx: list[int]) -> float:
         x = self._features(prefills, decode_ctx, self.profile.row_knee)  # the profile's own regressors
         return max(0.0, sum(c * v for c, v in zip(self._coef, x)))
 
@@ -247,10 +239,32 @@ class ProfiledCost:
                 "max_model_len": self.max_model_len}
 
 
+def step_rows(batch: ScheduledBatch) -> tuple[list[tuple[int, int]], list[int]]:
+    """A step's prompt chunks as (start, n) and its decodes by context, paid padding rows
+    counted like any other: the profile's view of a step."""
+    prefills: list[tuple[int, int]] = []
+    decode_ctx: list[int] = []
+    for s in batch.seqs:
+        if s.is_decode:  # one token over start_pos tokens of context
+            decode_ctx.append(s.start_pos)
+        else:
+            prefills.append((s.start_pos, len(s.token_ids)))
+    for row in batch.padding:
+        if _decode_row(row):
+            decode_ctx.append(row.start_pos)
+        else:
+            prefills.append((row.start_pos, row.num_tokens))
+    return prefills, decode_ctx
+
+
 def has_prompt(batch: ScheduledBatch) -> bool:
     """Whether a step computes prompt tokens (its own or paid padding's), not only decodes."""
-    return any(not s.is_decode for s in batch.seqs) or any(not (r.num_tokens == 1 and r.start_pos > 0)
-                                                            for r in batch.padding)
+    return any(not s.is_decode for s in batch.seqs) or any(not _decode_row(r) for r in batch.padding)
+
+
+def _decode_row(row: PadRow) -> bool:
+    """A paid padding row that is a decode (one token past position 0), not a prompt chunk."""
+    return row.num_tokens == 1 and row.start_pos > 0
 
 
 def make_cost_model(hardware: str | None = None, profile: str | None = None, model: str = "llama-2-7b",

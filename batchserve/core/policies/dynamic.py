@@ -68,7 +68,7 @@ class DynamicPolicy(RequestLevelPolicy):
         self.fit = 1.0  # measured / predicted batch time, smoothed
         self.plan: Plan | None = None
         self.offered: list[Request] | None = None  # the plan's order of the waiting, where not the queue's
-        self._predicted: BatchTimes | None = None  # the running batch's F and D, before `fit`
+        self._first: float | None = None  # the running batch's predicted F, before `fit`
         self._step: Callable[[int, int], float] = lambda tokens, seqs: 0.0  # its step times, before `fit`
 
     def on_add(self, sched: "Scheduler", req: Request, now: float) -> None:
@@ -136,8 +136,7 @@ class DynamicPolicy(RequestLevelPolicy):
             self.config.window_max_ms
         if self.plan.launch:
             t = times(self.plan.size)
-            self._predicted = BatchTimes(t.first / fit, t.decode / fit, t.total / fit)
-            self._step = step
+            self._first, self._step = t.first / fit, step
 
     def should_launch(self, sched: "Scheduler", now: float) -> bool:
         return self.plan is not None and self.plan.launch
@@ -166,14 +165,13 @@ class DynamicPolicy(RequestLevelPolicy):
                 self.outputs.add(r.num_output_tokens)
             elif r.status == RequestStatus.FINISHED_LENGTH:
                 self.outputs.add(math.inf)
-        p = self._predicted
-        if p is not None and members:
+        if self._first is not None and members:
             # judged at the outputs the batch had: how long they were is `outputs`' part, and
             # counting it here too would scale every later batch by one draw
-            raw = p.first + decode_time(self._step, sorted(r.num_output_tokens for r in members))
+            raw = self._first + decode_time(self._step, sorted(r.num_output_tokens for r in members))
             if raw > 0:
                 self.fit = min(4.0, max(0.25, ewma(self.fit, (now - self.batch_start) / raw, FIT_ALPHA)))
-        self._predicted = None
+        self._first = None
 
 
 def _e2e(req: Request, slo_s: float | None) -> float | None:
