@@ -56,6 +56,22 @@ def test_a_member_short_of_slack_launches_the_batch():
     assert plan([0.95, 0.1], times, rate=20.0, e2e=[2.0, None]).launch
 
 
+def test_a_newcomer_as_long_as_the_longest_recent_output_holds_a_trickle_batch():
+    t = Targets(e2e=2.0)
+    times = lambda b: BatchTimes(0.06, 0.01, 0.6)  # noqa: E731
+    # at 1/s a newcomer as long as this member would meet the target behind its batch (0.6 + 0.6
+    # <= 2 s): waiting for it gains nothing, the batch goes at once
+    assert plan([0.0], times, rate=1.0, targets=t).launch
+    # one as long as the longest recent output (1.5 s) would not (0.6 + 1.5 > 2 s), so the batch
+    # waits for company while its member has slack: 2 - 0.6 - 1 s (the gap) = 0.4 s
+    longest = lambda b: BatchTimes(0.15, 0.01, 1.5)  # noqa: E731
+    p = plan_batch([0.0], [2.0], times, 32, 1.0, 0.0, t, 1.0, newcomer=longest)
+    assert not p.launch and p.wait_s == pytest.approx(0.4)
+    # not at a trickle (the next arrival due before the batch ends), nor with company: it goes
+    assert plan_batch([0.0], [2.0], times, 32, 0.5, 0.0, t, 1.0, newcomer=longest).launch
+    assert plan_batch([0.0, 0.0], [2.0, 2.0], times, 32, 1.0, 0.0, t, 1.0, newcomer=longest).launch
+
+
 @pytest.mark.parametrize("targets", [Targets(), Targets(e2e=2.0), Targets(ttft=0.6, e2e=3.0)])
 @pytest.mark.parametrize("waits", [[0.0], [0.3, 0.2, 0.0], [0.6] * 5, [0.05] * 12])
 def test_the_wait_is_exact_when_nothing_arrives(targets, waits):

@@ -81,7 +81,11 @@ Launch now, with those b, when any of
     it keeps pace                  without targets (or out of their reach): d >= B(b) / gap, fewer
                                    arrive while it runs than it serves; with targets: one arriving now would
                                    still meet them in the next batch (of about B(b) / gap), so
-                                   waiting for it gains nothing
+                                   waiting for it gains nothing. For a lone request (d = 1) whose
+                                   batch ends before the next arrival is due (B(1) < mean gap),
+                                   the newcomer's output is taken as long as the longest recent
+                                   one: the engine would idle after the batch, and a newcomer
+                                   behind it that misses is a long one, which waiting can seat
     a member would be late         one that meets its targets now would miss them by waiting
                                    for the next arrival: one gap longer, in a batch of b + 1
     w_1 >= window_max              nobody waits for company longer than that
@@ -179,13 +183,14 @@ class Plan:
 
 def plan_batch(waits: Sequence[float], e2e: Sequence[float | None], times: Callable[[int], BatchTimes],
                cap: int, mean_gap_s: float | None, since_s: float, targets: Targets, window_max_s: float,
-               sized: tuple[int, bool] | None = None) -> Plan:
+               sized: tuple[int, bool] | None = None, newcomer: Callable[[int], BatchTimes] | None = None) -> Plan:
     """The control law in the module docstring. `waits` (seconds) and `e2e` (each request's
     end-to-end target, None for none) are the requests offered, in `offer_order`'s order, at
     least the first cap of them; `times(b)` gives F, D, B for a batch of b; the arrival gap is the
     larger of `mean_gap_s` (None: no arrivals seen) and `since_s`, the time since the last;
     `sized`: `batch_cap`'s answer when the caller has it (None: asked here, the offered
-    requests taken as all that wait).
+    requests taken as all that wait); `newcomer(k)`: F, D, B of a batch of k requests yet to
+    arrive, each as long as the longest recent output (None: none seen).
 
     When it waits, `wait_s` is exact: with no arrival the plan first says launch then (the gap
     grows with the silence, so the batch comes to keep pace, or a member to be late)."""
@@ -201,7 +206,9 @@ def plan_batch(waits: Sequence[float], e2e: Sequence[float | None], times: Calla
     # the batch keeps pace once the gap reaches need: d >= B / gap; with targets, once a newcomer
     # would still meet them in the next batch, of about B / gap requests
     if targets.any and not paced:
-        n = _largest(lambda k: _meets(now_t.total, targets.e2e, times(k), targets), c)
+        # a lone request at a trickle: the engine idles after its batch, so a long newcomer is what waits
+        later = newcomer if newcomer is not None and d == 1 and now_t.total < g else times
+        n = _largest(lambda k: _meets(now_t.total, targets.e2e, later(k), targets), c)
         need = 0.0 if n >= c else math.inf if n == 0 else now_t.total / n
     else:
         need = now_t.total / d

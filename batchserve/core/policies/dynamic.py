@@ -7,9 +7,9 @@ place, whether to launch now, and with how many of them (`controllers.batch_cap`
   long-run one (the mean over the last LONG_S seconds);
 - predicted batch times, from the scheduler's step-time model (fitted on measured steps, or a
   `batchserve profile`), the waiting prompts, and the output lengths expected of b members
-  (their max_tokens and recent output lengths), scaled by how measured batches compared with
-  their prediction at the outputs each had (how long outputs run is the lengths' part, not the
-  model's);
+  (their max_tokens and recent output lengths; a newcomer's, the longest recent one), scaled
+  by how measured batches compared with their prediction at the outputs each had (how long
+  outputs run is the lengths' part, not the model's);
 - the targets the user set (`slo_ttft_ms`, `slo_tpot_ms`, `slo_p99_ms` end to end) and each
   request's own deadline. None is assumed when unset;
 - each waiting request's max_tokens, the bound on its output.
@@ -65,6 +65,7 @@ class DynamicPolicy(RequestLevelPolicy):
         self.first_arrival: float | None = None
         self.recent: deque[float] = deque()  # arrival times of the last LONG_S seconds
         self.outputs = SortedWindow()  # output lengths of recent finished members (cut at max_tokens: inf)
+        self.longest = SortedWindow()  # output lengths of recent finished members as they ran (for their longest)
         self.fit = 1.0  # measured / predicted batch time, smoothed
         self.plan: Plan | None = None
         self.offered: list[Request] | None = None  # the plan's order of the waiting, where not the queue's
@@ -129,8 +130,15 @@ class DynamicPolicy(RequestLevelPolicy):
         if self.offered is not None:
             times = times_of(self.offered)
         waits, e2e = [waits[i] for i in order], [e2e[i] for i in order]
+        newcomer = None
+        if self.longest.values:  # a batch of requests yet to arrive, each as long as the longest recent output
+            longest = int(self.longest.values[-1])
+
+            def newcomer(b: int) -> BatchTimes:
+                t = batch_times(step, b, prompt, [longest] * b, budget)
+                return BatchTimes(fit * t.first, fit * t.decode, fit * t.total)
         self.plan = plan_batch(waits, e2e, times, cap, self.mean_gap_s, since, self.targets,
-                               self.config.window_max_ms / 1000.0, sized)
+                               self.config.window_max_ms / 1000.0, sized, newcomer)
         self.max_batch = max(1, self.plan.size)
         self.window_ms = 1000.0 * (waits[0] + self.plan.wait_s) if math.isfinite(self.plan.wait_s) else \
             self.config.window_max_ms
@@ -161,6 +169,7 @@ class DynamicPolicy(RequestLevelPolicy):
 
     def on_batch_end(self, sched: "Scheduler", members: list[Request], now: float) -> None:
         for r in members:
+            self.longest.add(r.num_output_tokens)
             if r.status == RequestStatus.FINISHED_STOPPED:
                 self.outputs.add(r.num_output_tokens)
             elif r.status == RequestStatus.FINISHED_LENGTH:
