@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import statistics
 import time
 from typing import Any, Callable
 
@@ -25,7 +24,7 @@ import torch
 
 from batchserve.bench.workload import make_workload
 from batchserve.config import CacheConfig, EngineConfig
-from batchserve.runner.profiler import WARM_S, run_profile, save
+from batchserve.runner.profiler import run_profile, save, time_step
 from batchserve.sim.cost import ProfiledCost, has_prompt
 from batchserve.sim.runner import simulate
 from benchmarks.fidelity import TimedExecutor, live_run
@@ -76,19 +75,6 @@ def busy(seconds: float) -> None:
         pass
 
 
-def warmed(runner: Any, batch: Any, reps: int = 3) -> float:
-    """As the profiler times a step: run it WARM_S seconds, then the median of `reps`."""
-    end = time.perf_counter() + WARM_S
-    while time.perf_counter() < end:
-        runner.execute(batch)
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        runner.execute(batch)
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", default=None, help="use this profile instead of measuring one")
@@ -125,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
         p, d = ratios(log, ts)
         print(f"  {name}: {p:.3f} | {d:.3f}", flush=True)
     prompts = [e for e in log if e[3]]
-    w = sum(warmed(runner, e[0]) for e in prompts) / sum(e[2] for e in prompts)
+    w = sum(time_step(runner, e[0], 3) for e in prompts) / sum(e[2] for e in prompts)
     print(f"  each prompt batch warmed and repeated (as profiled): {w:.3f} | -", flush=True)
     with torch.inference_mode():  # every page of the KV cache written once
         for k, v in runner.kv_caches:
