@@ -171,16 +171,10 @@ def sync() -> None:
 
 def run_hf_cuda(work) -> dict:
     """transformers on the same GPU, the requests as one left-padded static batch (bf16)."""
-    from transformers import AutoModelForCausalLM
+    from benchmarks.foundation import hf_model, left_padded
 
-    from batchserve.runner.loader import resolve_model_path
-
-    path = resolve_model_path("smollm2-135m-instruct")
-    m = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                             dtype=torch.bfloat16).eval().to(DEVICE)
-    longest = max(len(ids) for ids, _ in work)
-    x = torch.tensor([[0] * (longest - len(ids)) + ids for ids, _ in work], device=DEVICE)
-    mask = torch.tensor([[0] * (longest - len(ids)) + [1] * len(ids) for ids, _ in work], device=DEVICE)
+    m = hf_model(torch.bfloat16).to(DEVICE)
+    x, mask = (t.to(DEVICE) for t in left_padded(work))
     kw = dict(do_sample=False, eos_token_id=[], pad_token_id=0, max_new_tokens=max(n for _, n in work))
     m.generate(x[:4], attention_mask=mask[:4], **{**kw, "max_new_tokens": 8})  # warm-up
     sync()
@@ -195,23 +189,15 @@ def run_hf_cuda(work) -> dict:
 def stage_http(port: int) -> dict:
     import httpx
 
+    from benchmarks.standard import wait_healthy
+
     cmd = [sys.executable, "-m", "batchserve", "serve", "--device", DEVICE, "--port", str(port),
            "--kv-cache-gb", "2"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base, out = f"http://127.0.0.1:{port}", {}
     try:
         t0 = time.perf_counter()
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited {proc.returncode}: {proc.stdout.read()[-3000:]}")
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.perf_counter() - t0 > 180:
-                raise RuntimeError("server not healthy after 180 s")
-            time.sleep(0.5)
+        wait_healthy(base, proc, 180.0)  # on failure, the server's log is in the finally below
         out["startup_s"] = time.perf_counter() - t0
 
         import asyncio

@@ -83,24 +83,35 @@ def run_offline(llm, work) -> dict:
     return {"tokens": ntok, "seconds": dt, "tok_s": ntok / dt, "mean_batch": float(np.mean(sizes)), "steps": steps}
 
 
-def run_hf(work, tok_per_req: list[int]) -> dict:
-    """transformers' generate on the same requests: one at a time, and one static batch."""
+def hf_model(dtype: torch.dtype = torch.float32):
+    """transformers' LlamaForCausalLM on the default model's GGUF file (dequantized), on the CPU."""
     from transformers import AutoModelForCausalLM
 
     from batchserve.runner.loader import resolve_model_path
 
     path = resolve_model_path("smollm2-135m-instruct")
-    m = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                             dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                dtype=dtype).eval()
+
+
+def left_padded(work) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompts of `work` as one left-padded batch: (input ids, attention mask)."""
+    longest = max(len(ids) for ids, _ in work)
+    x = torch.tensor([[0] * (longest - len(ids)) + ids for ids, _ in work])
+    mask = torch.tensor([[0] * (longest - len(ids)) + [1] * len(ids) for ids, _ in work])
+    return x, mask
+
+
+def run_hf(work, tok_per_req: list[int]) -> dict:
+    """transformers' generate on the same requests: one at a time, and one static batch."""
+    m = hf_model()
     kw = dict(do_sample=False, eos_token_id=[], pad_token_id=0)
     t0 = time.perf_counter()
     for ids, n in work:
         x = torch.tensor([ids])
         m.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, **kw)
     single = time.perf_counter() - t0
-    longest = max(len(ids) for ids, _ in work)
-    x = torch.tensor([[0] * (longest - len(ids)) + ids for ids, _ in work])
-    mask = torch.tensor([[0] * (longest - len(ids)) + [1] * len(ids) for ids, _ in work])
+    x, mask = left_padded(work)
     t0 = time.perf_counter()
     m.generate(x, attention_mask=mask, max_new_tokens=max(n for _, n in work), **kw)
     static = time.perf_counter() - t0

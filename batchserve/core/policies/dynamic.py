@@ -105,15 +105,18 @@ class DynamicPolicy(RequestLevelPolicy):
                 steps[tokens, seqs] = sched.latency.predict_step(tokens, seqs)
             return steps[tokens, seqs]
 
+        def fitted(b: int, lengths: list[int]) -> BatchTimes:
+            """F, D, B of b members with these output lengths, scaled by the fit."""
+            t = batch_times(step, b, prompt, lengths, budget)
+            return BatchTimes(fit * t.first, fit * t.decode, fit * t.total)
+
         def times_of(members: list[Request]) -> Callable[[int], BatchTimes]:
             """F, D, B of a batch of the first b of `members`, scaled by the fit."""
             memo: dict[int, BatchTimes] = {}
 
             def times(b: int) -> BatchTimes:
                 if b not in memo:
-                    lengths = expected_lengths([r.max_tokens for r in members[:b]], outs)
-                    t = batch_times(step, b, prompt, lengths, budget)
-                    memo[b] = BatchTimes(fit * t.first, fit * t.decode, fit * t.total)
+                    memo[b] = fitted(b, expected_lengths([r.max_tokens for r in members[:b]], outs))
                 return memo[b]
             return times
 
@@ -135,8 +138,7 @@ class DynamicPolicy(RequestLevelPolicy):
             longest = int(self.longest.values[-1])
 
             def newcomer(b: int) -> BatchTimes:
-                t = batch_times(step, b, prompt, [longest] * b, budget)
-                return BatchTimes(fit * t.first, fit * t.decode, fit * t.total)
+                return fitted(b, [longest] * b)
         self.plan = plan_batch(waits, e2e, times, cap, self.mean_gap_s, since, self.targets,
                                self.config.window_max_ms / 1000.0, sized, newcomer)
         self.max_batch = max(1, self.plan.size)
