@@ -16,6 +16,12 @@
    ignore_eos, so outputs have the workload's lengths) and simulated (same engine config,
    profiled cost). Throughput and P50 end-to-end latency should agree within 5%, P99
    within 10%; the table says which do.
+5. The machine's speed taken out: this CPU's speed drifts by 10-30 % within minutes, more
+   than the tolerances, so each live run is also simulated at its own mean runner speed, and
+   with its speed replayed window by window (`speed_curve`: measured over predicted runner
+   time of the steps in each 2 s). What the replay leaves is the simulator's own error: the
+   step model, scheduling and queueing. Its control, a flat step model (every step the run's
+   mean) under the same replay, shows how much the replayed speed explains by itself.
 Run it on a quiet machine: other load on the CPU slows the live side only.
 """
 from __future__ import annotations
@@ -24,7 +30,7 @@ import argparse
 import dataclasses
 import statistics
 import time
-from typing import Any
+from typing import Any, Callable
 
 from batchserve.bench.metrics import RequestRecord, span_s, summarize
 from batchserve.bench.workload import WorkItem, make_workload
@@ -33,10 +39,11 @@ from batchserve.request import SamplingParams
 from batchserve.runner.profiler import run_profile, save
 from batchserve.sim.cost import ProfiledCost, has_prompt
 from batchserve.sim.runner import simulate
-from batchserve.sim.simulator import prompt_ids
+from batchserve.sim.simulator import Simulator, prompt_ids
 from benchmarks.report_md import write_section
 
 TOLERANCE = {"throughput_rps": 0.05, "e2e_p50_ms": 0.05, "e2e_p99_ms": 0.10}
+REPLAY_WINDOW_S = 2.0  # the machine's speed replayed per window this long (see `speed_curve`)
 
 
 class TimedExecutor:
@@ -53,6 +60,8 @@ class TimedExecutor:
         self.num_steps = self.num_tokens = 0
         self.busy_time = self.predicted = self.last = 0.0  # runner seconds: summed, predicted, last step
         self.prompt_busy = self.prompt_predicted = 0.0  # the same over steps with prompt tokens
+        self.t0 = time.perf_counter()  # the run's start (live_run sets it)
+        self.steps: list[tuple[float, float, float, bool]] = []  # (start - t0, seconds, predicted, prompt)
 
     def execute(self, batch: Any) -> Any:
         t0 = time.perf_counter()
@@ -62,11 +71,12 @@ class TimedExecutor:
         self.num_tokens += batch.num_tokens
         self.busy_time += self.last
         if self.cost is not None:
-            p = self.cost.runner_time(batch)
+            p, prompt = self.cost.runner_time(batch), has_prompt(batch)
             self.predicted += p
-            if has_prompt(batch):
+            if prompt:
                 self.prompt_busy += self.last
                 self.prompt_predicted += p
+            self.steps.append((t0 - self.t0, self.last, p, prompt))
         return out
 
 
@@ -78,7 +88,7 @@ def live_run(engine: Any, items: list[WorkItem]) -> tuple[list[RequestRecord], l
     recs: dict[str, RequestRecord] = {}
     order: list[RequestRecord] = []
     overheads: list[float] = []
-    t0 = time.perf_counter()
+    t0 = runner.t0 = time.perf_counter()
     i = 0
     while i < len(items) or engine.has_unfinished:
         now = time.perf_counter() - t0
@@ -131,13 +141,65 @@ def calibrated(profile: str, timed: TimedExecutor, overheads: list[float]) -> Pr
                         else overall)
 
 
+def speed_curve(steps: list[tuple[float, float, float, bool]], price: Callable[[float, bool], float],
+                window_s: float = REPLAY_WINDOW_S) -> list[float]:
+    """The machine's speed over a live run (`TimedExecutor.steps`), window by window: measured
+    runner time over `price(profile prediction, has prompt)` summed over the steps that started
+    in each `window_s`. A window without steps keeps the one before it."""
+    n = int(max((t for t, *_ in steps), default=0.0) // window_s) + 1
+    meas, pred = [0.0] * n, [0.0] * n
+    for t, sec, p, prompt in steps:
+        k = int(t // window_s)
+        meas[k] += sec
+        pred[k] += price(p, prompt)
+    out, last = [], 1.0
+    for m, q in zip(meas, pred):
+        last = m / q if q > 0 else last
+        out.append(last)
+    return out
+
+
+class ReplayedSpeed(ProfiledCost):
+    """A calibrated profile whose runner time is multiplied by a live run's `speed_curve`: the
+    step starting at simulated time t (seconds from the run's start, as the live run counts) is
+    priced at the speed the machine ran at in t's window. `clock` is the simulator's. With
+    `flat`, every step's runner time is that constant instead of the profile's prediction: the
+    control that shows what the replayed speed alone explains."""
+
+    def __init__(self, base: ProfiledCost, curve: list[float], clock: Any, flat: float | None = None,
+                 window_s: float = REPLAY_WINDOW_S) -> None:
+        super().__init__(base.path, num_blocks=base._num_blocks, overhead_s=base.overhead_s, scale=base.scale,
+                         prompt_scale=base.prompt_scale)
+        self.curve, self.clock, self.flat, self.window_s = curve, clock, flat, window_s
+
+    def step_time(self, batch: Any) -> float:
+        k = min(int(self.clock.now() // self.window_s), len(self.curve) - 1)
+        runner = self.flat if self.flat is not None else super().step_time(batch) - self.overhead_s
+        return runner * self.curve[k] + self.overhead_s
+
+
+def replayed(config: EngineConfig, own: ProfiledCost, timed: TimedExecutor, items: list[WorkItem],
+             flat: bool = False) -> dict[str, float]:
+    """The simulator on `items` with the machine's speed replayed from the live run `timed`
+    made of them; `own` is the profile calibrated on that run. With `flat`, the step model is
+    the run's mean runner time per step (see `ReplayedSpeed`)."""
+    c = timed.busy_time / max(1, timed.num_steps) if flat else None
+    price = (lambda p, prompt: c) if flat else (lambda p, prompt: p * (own.prompt_scale if prompt else own.scale))
+    curve = speed_curve(timed.steps, price)
+    sim = Simulator(config, own)
+    sim.executor.cost = ReplayedSpeed(own, curve, sim.clock, flat=c)
+    return {**_numbers(sim.run(items).summary), "speed_min": min(curve), "speed_max": max(curve)}
+
+
 def run_fidelity(config: EngineConfig, profile: str, n: int, rates: list[float] | None = None, seed: int = 0,
                  workload: str = "chat", scale: float | None = None, same_run: bool = False) -> list[dict[str, Any]]:
     """Live vs simulated at each rate; one row per rate with both sides' numbers and the
     relative errors. The engine (model load) is built once and reused between rates.
     Calibration comes from a warm-up run; with `same_run`, from each rate's own live run
     instead, which takes a machine whose speed drifts (a shared CI box) out of the
-    comparison and leaves the scheduling and queueing to be checked."""
+    comparison and leaves the scheduling and queueing to be checked. Every row also has the
+    prediction at the run's own mean speed (`own`), with its speed replayed (`replayed`) and
+    the replay's flat-model control (`flat`)."""
     from batchserve.engine.engine import LLMEngine
 
     live = LLMEngine.from_config(config)
@@ -160,14 +222,18 @@ def run_fidelity(config: EngineConfig, profile: str, n: int, rates: list[float] 
         wl = items(rate, seed)
         timed.reset()
         recs, over = live_run(live, wl)
+        own = calibrated(profile, timed, over)
         if same_run:
-            cost = calibrated(profile, timed, over)
+            cost = own
         got = _numbers(summarize(recs, span_s(recs)))
         want = _numbers(simulate(config, cost, wl).summary)
         err = {k: abs(want[k] - got[k]) / got[k] for k in got}
+        at_own = want if same_run else _numbers(simulate(config, own, wl).summary)
         rows.append({"rate": rate, "live": got, "sim": want, "rel_error": err,
                      "within": {k: err[k] <= TOLERANCE[k] for k in err}, "overhead_ms": 1e3 * cost.overhead_s,
-                     "runner_scale": cost.scale, "prompt_scale": cost.prompt_scale})
+                     "runner_scale": cost.scale, "prompt_scale": cost.prompt_scale,
+                     "own": {"runner_scale": own.scale, "prompt_scale": own.prompt_scale, "sim": at_own},
+                     "replayed": replayed(config, own, timed, wl), "flat": replayed(config, own, timed, wl, True)})
     return rows
 
 
@@ -181,6 +247,25 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
                    f"{lv['e2e_p50_ms']:.0f} / {sm['e2e_p50_ms']:.0f} | "
                    f"{lv['e2e_p99_ms']:.0f} / {sm['e2e_p99_ms']:.0f} | "
                    + " ".join("yes" if w[k] else "NO" for k in TOLERANCE) + " |")
+    out += ["", "The same live runs with the machine's speed taken out: the simulator at each run's own mean runner"
+            f" speed, and with that run's speed replayed per {REPLAY_WINDOW_S:g} s window, on the profile's step"
+            " model and (the control) on a flat one, every step the run's mean.", "",
+            "| rate | runner / profile, decodes / prompt steps: warm-up → this run; in its windows "
+            "| E2E P50 ms: live / mean speed / replayed / flat, replayed "
+            f"| E2E P99 ms: the same | within {within}%: replayed; flat |", "|---|---|---|---|---|"]
+    for r in rows:
+        lv, o, rp, fl = r["live"], r["own"], r["replayed"], r["flat"]
+
+        def cell(k: str) -> str:
+            return f"{lv[k]:.0f} / {o['sim'][k]:.0f} / {rp[k]:.0f} / {fl[k]:.0f}"
+
+        def ok(sim: dict[str, float]) -> str:
+            return " ".join("yes" if abs(sim[k] - lv[k]) <= TOLERANCE[k] * lv[k] else "NO" for k in TOLERANCE)
+
+        out.append(f"| {r['rate']:g} | {r['runner_scale']:.2f} / {r['prompt_scale']:.2f} → "
+                   f"{o['runner_scale']:.2f} / {o['prompt_scale']:.2f}; {rp['speed_min']:.2f}–{rp['speed_max']:.2f}x "
+                   f"| {cell('e2e_p50_ms')} | "
+                   f"{cell('e2e_p99_ms')} | {ok(rp)}; {ok(fl)} |")
     return "\n".join(out)
 
 

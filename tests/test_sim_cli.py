@@ -102,7 +102,7 @@ def test_fidelity_on_a_tiny_model(tmp_path) -> None:
     shared box is at the mercy of the OS scheduler (the full-size run on a quiet machine
     holds 5% / 5% / 10%)."""
     from batchserve.runner.profiler import run_profile, save
-    from benchmarks.fidelity import run_fidelity
+    from benchmarks.fidelity import format_rows, run_fidelity
 
     model = {"vocab_size": 512, "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 2,
              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024}
@@ -111,7 +111,9 @@ def test_fidelity_on_a_tiny_model(tmp_path) -> None:
     path = str(tmp_path / "profile.json")
     save(run_profile(cfg, quick=True), path)
     rows = run_fidelity(cfg, path, 30, [10.0, 25.0], seed=2, scale=0.1, same_run=True)
+    assert "speed replayed" in format_rows(rows)
     for r in rows:
+        assert r["own"]["sim"] == r["sim"], r  # calibrated on the run itself, both predictions are one
         assert r["rel_error"]["throughput_rps"] <= 0.10, r
         ratio = r["sim"]["e2e_p50_ms"] / r["live"]["e2e_p50_ms"]
         assert 0.5 <= ratio <= 2.0, r
