@@ -126,14 +126,17 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 
 def table(rows: list[dict[str, Any]], slo: bool, p99: str) -> list[str]:
     """The comparison's rows, one per regime (and SLO, with `slo`)."""
+    rounds = "round_ratios" in rows[0] if rows else False
     cols = ["regime"] + ["SLO (ms)"] * slo + ["offered req/s", "best fixed (window, cap)", "its goodput",
-                                              "adaptive goodput", "adaptive / best", p99, "50 ms / 32 goodput"]
+                                              "adaptive goodput", "adaptive / best"] + \
+        ["the same, round by round"] * rounds + [p99, "50 ms / 32 goodput"]
     out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         w, c = r["best"]
         cells = [r["regime"]] + [f"{r['slo_ms']:,.0f}"] * slo + [
             f"{r['rate']:.2f}", f"{w:g} ms, {c}", f"{r['best_goodput']:.2f}", f"{r['adaptive_goodput']:.2f}",
-            f"{r['adaptive_goodput'] / max(r['best_goodput'], 1e-9):.3f}x",
+            f"{r['adaptive_goodput'] / max(r['best_goodput'], 1e-9):.3f}x"] + \
+            [", ".join(f"{x:.2f}" for x in r.get("round_ratios", []))] * rounds + [
             f"{r['best_p99']:,.0f} / {r['adaptive_p99']:,.0f}", f"{r['default'][0]:.2f}"]
         out.append("| " + " | ".join(cells) + " |")
     return out
@@ -148,7 +151,8 @@ def live(n: int, seed: int, tightness: list[float], rounds: int = 1) -> tuple[li
     smaller grid: capacity and P99 at half load calibrated live as in `calibrate`, then under an
     SLO of each `tightness` x that P99, each regime through every grid point and `dynamic` in one
     process over one loaded model, `rounds` times, the order rotating from cell to cell and round
-    to round so that no configuration always runs first or last; medians over the rounds."""
+    to round so that no configuration always runs first or last; medians over the rounds, and
+    each round's ratio of the adaptive run to the best point's run of that round."""
     from batchserve.config import CacheConfig, ModelConfig
     from batchserve.runner.loader import load_model
     from batchserve.runner.model_runner import ModelRunner
@@ -192,7 +196,9 @@ def live(n: int, seed: int, tightness: list[float], rounds: int = 1) -> tuple[li
         best = max(score, key=lambda k: (score[k][0], -score[k][1]))
         rows.append({"regime": name, "rate": len(items) / max(items[-1].arrival, 1e-9), "slo_ms": slo_ms,
                      "best": best, "best_goodput": score[best][0], "best_p99": score[best][1],
-                     "default": score[(50.0, 32)], "adaptive_goodput": ad[0], "adaptive_p99": ad[1]})
+                     "default": score[(50.0, 32)], "adaptive_goodput": ad[0], "adaptive_p99": ad[1],
+                     # round by round, against the same point's run of that round: how far the noise reaches
+                     "round_ratios": [a / max(b, 1e-9) for (a, _), (b, _) in zip(cell["adaptive"], cell[best])]})
     return rows, {"capacity": cap, "p99_half": p99, "tightness": tightness, "n": n, "seed": seed, "rounds": rounds,
                   "wall_s": time.perf_counter() - t0, "model": loaded.name}
 
