@@ -159,6 +159,11 @@ def speed_curve(steps: list[tuple[float, float, float, bool]], price: Callable[[
     return out
 
 
+def speed_of(timed: TimedExecutor, own: ProfiledCost) -> list[float]:
+    """The live run `timed`'s `speed_curve` against `own`, the profile calibrated on it."""
+    return speed_curve(timed.steps, lambda p, prompt: p * (own.prompt_scale if prompt else own.scale))
+
+
 class ReplayedSpeed(ProfiledCost):
     """A calibrated profile whose runner time is multiplied by a live run's `speed_curve`: the
     step starting at simulated time t (seconds from the run's start, as the live run counts) is
@@ -184,8 +189,7 @@ def replayed(config: EngineConfig, own: ProfiledCost, timed: TimedExecutor, item
     made of them; `own` is the profile calibrated on that run. With `flat`, the step model is
     the run's mean runner time per step (see `ReplayedSpeed`)."""
     c = timed.busy_time / max(1, timed.num_steps) if flat else None
-    price = (lambda p, prompt: c) if flat else (lambda p, prompt: p * (own.prompt_scale if prompt else own.scale))
-    curve = speed_curve(timed.steps, price)
+    curve = speed_curve(timed.steps, lambda p, prompt: c) if flat else speed_of(timed, own)
     sim = Simulator(config, own)
     sim.executor.cost = ReplayedSpeed(own, curve, sim.clock, flat=c)
     return {**_numbers(sim.run(items).summary), "speed_min": min(curve), "speed_max": max(curve)}

@@ -64,3 +64,23 @@ def test_a_constant_replayed_speed_simulates_as_the_same_scale(profile) -> None:
     replayed = sim.run(items).summary
     assert replayed["latency"]["e2e_ms"] == pytest.approx(scaled["latency"]["e2e_ms"])
     assert replayed["throughput_rps"] == pytest.approx(scaled["throughput_rps"])
+
+
+def test_the_paired_table_pools_every_speed_curve_and_names_the_best_fixed_point() -> None:
+    from benchmarks.adaptive_paired import configs, markdown
+
+    names = list(configs())
+    assert names[0] == "adaptive" and len(names) == 5
+
+    def row(ran: str, live: float, adaptive: float, fixed: dict[str, float]) -> dict:
+        rep = {k: (fixed.get(k, 1.0), 0.0) for k in names}
+        rep["adaptive"] = (adaptive, 0.0)
+        return {"round": 1, "ran": ran, "live": (live, 2000.0), "speed": (0.8, 0.7, 1.2), "replayed": rep}
+
+    rows = [row("adaptive", 3.0, 6.0, {"50 ms / 32": 5.0}), row("50 ms / 32", 5.0, 4.0, {"50 ms / 32": 4.5})]
+    text = markdown(rows, {"cap": 10.0, "slo_ms": 2000.0, "regime": "day", "n": 160, "rounds": 1, "seed": 0})
+    # replayed: 6 + 4 against 5 + 4.5 for 50 ms / 32; live: 3 against 5
+    assert "adaptive 10.00 against 9.50 for 50 ms / 32 (**1.053x**)" in text
+    assert "curves only: 4.00 against 4.50 for 50 ms / 32 (0.889x)" in text
+    assert "adaptive 3.00 against 5.00 for 50 ms / 32 (0.600x)" in text
+    assert "| 1.200x |" in text and "| 0.889x |" in text  # each curve: adaptive over that curve's best fixed point
