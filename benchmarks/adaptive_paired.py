@@ -20,6 +20,7 @@ by step (`benchmarks.fidelity.TimedExecutor`), its speed against the profile mea
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 from batchserve.bench.metrics import summarize, span_s
@@ -71,7 +72,9 @@ def run(profile: str, cap: float, slo_ms: float, regime: str, n: int, rounds: in
                 sim.executor.cost = ReplayedSpeed(own, curve, sim.clock)
                 replayed[other] = score(sim.run(items).summary)
             rows.append({"round": r + 1, "ran": name, "live": score(summarize(recs, span_s(recs), slo_ms)),
-                         "speed": (own.scale, min(curve), max(curve)), "replayed": replayed})
+                         "speed": (own.scale, min(curve), max(curve)), "replayed": replayed,
+                         "calibration": {"overhead_s": own.overhead_s, "scale": own.scale,
+                                         "prompt_scale": own.prompt_scale}, "curve": curve})
             print(format_row(rows[-1]), flush=True)
     return rows
 
@@ -83,6 +86,10 @@ def format_row(row: dict[str, Any]) -> str:
             f"{row['speed'][0]:.2f} ({row['speed'][1]:.2f}–{row['speed'][2]:.2f}) | "
             f"{rep[row['ran']][0]:.2f} | " + " | ".join(f"{rep[k][0]:.2f}" for k in configs()) +
             f" | {rep['adaptive'][0] / max(rep[best][0], 1e-9):.3f}x |")
+
+
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:.3f}x" if b > 0 else "–"
 
 
 def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
@@ -103,11 +110,11 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "requests within the SLO per second of offered traffic.", "",
         "| " + " | ".join(head) + " |", "|" + "---|" * len(head), *(format_row(r) for r in rows), "",
         f"Pooled over every speed curve: adaptive {pooled['adaptive']:.2f} against {pooled[best]:.2f} for {best} "
-        f"(**{pooled['adaptive'] / max(pooled[best], 1e-9):.3f}x**); on the fixed points' runs' curves only: "
+        f"(**{ratio(pooled['adaptive'], pooled[best])}**); on the fixed points' runs' curves only: "
         f"{theirs['adaptive']:.2f} against {theirs[their_best]:.2f} for {their_best} "
-        f"({theirs['adaptive'] / max(theirs[their_best], 1e-9):.3f}x); live, each in its own minute: adaptive "
+        f"({ratio(theirs['adaptive'], theirs[their_best])}); live, each in its own minute: adaptive "
         f"{live['adaptive']:.2f} against {live[live_best]:.2f} for {live_best} "
-        f"({live['adaptive'] / max(live[live_best], 1e-9):.3f}x)."])
+        f"({ratio(live['adaptive'], live[live_best])})."])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -119,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--requests", type=int, default=160)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, help="write every row, with its calibration and speed curve, here")
     a = ap.parse_args(argv)
     path = a.profile
     if path is None:
@@ -126,6 +134,10 @@ def main(argv: list[str] | None = None) -> None:
         path = "fidelity_profile.json"
         save(run_profile(EngineConfig(cache=CacheConfig(kv_cache_gb=0.5))), path)
     rows = run(path, a.cap, a.slo_ms, a.regime, a.requests, a.rounds, a.seed)
+    if a.json:  # each curve with its calibration and the profile replays that run in the simulator
+        with open(a.json, "w") as f:
+            json.dump({"profile": path, "cap": a.cap, "slo_ms": a.slo_ms, "regime": a.regime,
+                       "requests": a.requests, "seed": a.seed, "rows": rows}, f, indent=1)
     print()
     print(markdown(rows, {"cap": a.cap, "slo_ms": a.slo_ms, "regime": a.regime, "n": a.requests,
                           "rounds": a.rounds, "seed": a.seed}))
