@@ -26,9 +26,8 @@ from typing import Any
 from batchserve.bench.metrics import summarize, span_s
 from batchserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from batchserve.sim.cost import ProfiledCost
-from batchserve.sim.simulator import Simulator
 from benchmarks.adaptive import LIVE_GRID, REGIMES, goodput_of, regime_items
-from benchmarks.fidelity import ReplayedSpeed, TimedExecutor, calibrated, live_run, speed_of
+from benchmarks.fidelity import TimedExecutor, calibrated, live_run, simulate_replayed, speed_of
 
 
 def configs() -> dict[str, dict[str, Any]]:
@@ -66,30 +65,30 @@ def run(profile: str, cap: float, slo_ms: float, regime: str, n: int, rounds: in
             recs, over = live_run(LLMEngine(engine_config(name), timed, loaded.tokenizer, None), items)
             own = calibrated(profile, timed, over)
             curve = speed_of(timed, own)
-            replayed = {}
-            for other in grid:
-                sim = Simulator(engine_config(other), own, slo_ms=slo_ms)
-                sim.executor.cost = ReplayedSpeed(own, curve, sim.clock)
-                replayed[other] = score(sim.run(items).summary)
+            replayed = {other: score(simulate_replayed(engine_config(other), own, curve, items, slo_ms))
+                        for other in grid}
             rows.append({"round": r + 1, "ran": name, "live": score(summarize(recs, span_s(recs), slo_ms)),
-                         "speed": (own.scale, min(curve), max(curve)), "replayed": replayed,
-                         "calibration": {"overhead_s": own.overhead_s, "scale": own.scale,
+                         "replayed": replayed, "calibration": {"overhead_s": own.overhead_s, "scale": own.scale,
                                          "prompt_scale": own.prompt_scale}, "curve": curve})
             print(format_row(rows[-1]), flush=True)
     return rows
 
 
-def format_row(row: dict[str, Any]) -> str:
-    rep = row["replayed"]
-    best = max((k for k in rep if k != "adaptive"), key=lambda k: rep[k][0])
-    return (f"| {row['round']} | {row['ran']} | {row['live'][0]:.2f} / {row['live'][1]:,.0f} | "
-            f"{row['speed'][0]:.2f} ({row['speed'][1]:.2f}–{row['speed'][2]:.2f}) | "
-            f"{rep[row['ran']][0]:.2f} | " + " | ".join(f"{rep[k][0]:.2f}" for k in configs()) +
-            f" | {rep['adaptive'][0] / max(rep[best][0], 1e-9):.3f}x |")
+def best_fixed(goodput: dict[str, float]) -> str:
+    """The fixed point with the most goodput."""
+    return max((k for k in goodput if k != "adaptive"), key=lambda k: goodput[k])
 
 
 def ratio(a: float, b: float) -> str:
     return f"{a / b:.3f}x" if b > 0 else "–"
+
+
+def format_row(row: dict[str, Any]) -> str:
+    rep, curve = {k: g for k, (g, _) in row["replayed"].items()}, row["curve"]
+    return (f"| {row['round']} | {row['ran']} | {row['live'][0]:.2f} / {row['live'][1]:,.0f} | "
+            f"{row['calibration']['scale']:.2f} ({min(curve):.2f}–{max(curve):.2f}) | "
+            f"{rep[row['ran']]:.2f} | " + " | ".join(f"{rep[k]:.2f}" for k in configs()) +
+            f" | {ratio(rep['adaptive'], rep[best_fixed(rep)])} |")
 
 
 def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
@@ -97,13 +96,13 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     head = ["round", "ran live", "live goodput / P99 ms", "runner time vs profile, decodes (2 s windows vs that mean)",
             "replayed, itself"] + [f"replayed: {k}" for k in names] + ["adaptive / best fixed, replayed"]
     pooled = {k: sum(r["replayed"][k][0] for r in rows) for k in names}
-    best = max((k for k in names if k != "adaptive"), key=lambda k: pooled[k])
+    best = best_fixed(pooled)
     # on the fixed points' own curves only: the adaptive run's curve also carries any error of the
     # profile on its own batch shapes, which replaying it would charge to the fixed points
     theirs = {k: sum(r["replayed"][k][0] for r in rows if r["ran"] != "adaptive") for k in names}
-    their_best = max((k for k in names if k != "adaptive"), key=lambda k: theirs[k])
+    their_best = best_fixed(theirs)
     live = {k: sum(r["live"][0] for r in rows if r["ran"] == k) for k in names}
-    live_best = max((k for k in names if k != "adaptive"), key=lambda k: live[k])
+    live_best = best_fixed(live)
     return "\n".join([
         f"`python -m benchmarks.adaptive_paired --cap {meta['cap']:g} --slo-ms {meta['slo_ms']:g} --regime "
         f"\"{meta['regime']}\" --rounds {meta['rounds']}`: {meta['n']} requests, seed {meta['seed']}, goodput in "

@@ -183,6 +183,15 @@ class ReplayedSpeed(ProfiledCost):
         return runner * self.curve[k] + self.overhead_s
 
 
+def simulate_replayed(config: EngineConfig, own: ProfiledCost, curve: list[float], items: list[WorkItem],
+                      slo_ms: float | None = None, flat: float | None = None) -> dict[str, Any]:
+    """The simulator's summary of `items` under `config`, priced by `own` (a profile calibrated
+    on a live run) at that run's speed `curve` (`ReplayedSpeed`)."""
+    sim = Simulator(config, own, slo_ms=slo_ms)
+    sim.executor.cost = ReplayedSpeed(own, curve, sim.clock, flat=flat)
+    return sim.run(items).summary
+
+
 def replayed(config: EngineConfig, own: ProfiledCost, timed: TimedExecutor, items: list[WorkItem],
              flat: bool = False) -> dict[str, float]:
     """The simulator on `items` with the machine's speed replayed from the live run `timed`
@@ -190,9 +199,8 @@ def replayed(config: EngineConfig, own: ProfiledCost, timed: TimedExecutor, item
     the run's mean runner time per step (see `ReplayedSpeed`)."""
     c = timed.busy_time / max(1, timed.num_steps) if flat else None
     curve = speed_curve(timed.steps, lambda p, prompt: c) if flat else speed_of(timed, own)
-    sim = Simulator(config, own)
-    sim.executor.cost = ReplayedSpeed(own, curve, sim.clock, flat=c)
-    return {**_numbers(sim.run(items).summary), "speed_min": min(curve), "speed_max": max(curve)}
+    return {**_numbers(simulate_replayed(config, own, curve, items, flat=c)),
+            "speed_min": min(curve), "speed_max": max(curve)}
 
 
 def run_fidelity(config: EngineConfig, profile: str, n: int, rates: list[float] | None = None, seed: int = 0,

@@ -75,7 +75,8 @@ def test_the_paired_table_pools_every_speed_curve_and_names_the_best_fixed_point
     def row(ran: str, live: float, adaptive: float, fixed: dict[str, float]) -> dict:
         rep = {k: (fixed.get(k, 1.0), 0.0) for k in names}
         rep["adaptive"] = (adaptive, 0.0)
-        return {"round": 1, "ran": ran, "live": (live, 2000.0), "speed": (0.8, 0.7, 1.2), "replayed": rep}
+        return {"round": 1, "ran": ran, "live": (live, 2000.0), "calibration": {"scale": 0.8}, "curve": [0.7, 1.2],
+                "replayed": rep}
 
     rows = [row("adaptive", 3.0, 6.0, {"50 ms / 32": 5.0}), row("50 ms / 32", 5.0, 4.0, {"50 ms / 32": 4.5})]
     text = markdown(rows, {"cap": 10.0, "slo_ms": 2000.0, "regime": "day", "n": 160, "rounds": 1, "seed": 0})
