@@ -6,8 +6,8 @@ import math
 import pytest
 
 from batchserve.core.controllers import (BatchTimes, SortedWindow, Targets, batch_cap, batch_times,
-                                         bucket_distance, decode_time, ewma, expected_lengths, length_bucket,
-                                         offer_order, percentile, pace_size, plan_batch, rate_size, slo_size)
+                                         bucket_distance, decode_time, ewma, expected_lengths, floor_size,
+                                         length_bucket, offer_order, percentile, pace_size, plan_batch, rate_size, slo_size)
 
 def linear(base: float, per: float):
     """times(b) for a batch whose whole time is base + per * b s (prefill a tenth of it)."""
@@ -134,6 +134,18 @@ def test_the_rate_size_serves_the_most_in_time_per_second():
     assert batch_cap(times, 32, t, math.inf, 12, False, [0.7] * 12, [2.0] * 12) == (3, False)
     assert batch_cap(times, 32, t, math.inf, 12, False, [0.7] * 12, [2.0] * 12, long_gap=0.25) == (10, False)
     assert batch_cap(times, 32, t, 1.0, 12, False, [0.7] * 12, [2.0] * 12, long_gap=1.0) == (3, False)  # 1/s: f = 2
+
+
+def test_a_floor_no_size_keeps_pace_with_serves_within_headroom_of_the_most():
+    times, t = linear(1.0, 0.1), Targets(e2e=2.0)  # B(b) = 1 + 0.1 b; the SLO allows 10, 5/s at most
+    assert floor_size(times, 10, 0.25 * 0.85) == 9  # 4/s kept at 85 %: b >= 4 (1 + 0.1 b) / 0.85
+    # 10/s: none keeps pace; b / B(b) >= 0.85 x 5/s from b = 8 on, not the SLO's 10, where
+    # B(10) = 2 s leaves no room for anyone who has waited
+    assert floor_size(times, 10, 0.1 * 0.85) == 8
+    # 12 have waited 0.1 s: they meet in batches up to 9 (0.1 + 1.9), so 9 go, not 10 that all miss
+    assert batch_cap(times, 32, t, math.inf, 12, False, [0.1] * 12, [2.0] * 12, long_gap=0.1) == (9, False)
+    # where batches are nearly free past a size (a GPU below its knee), the floor is near the top
+    assert floor_size(lambda b: BatchTimes(0.0, 0.0, 1.0 + 0.001 * b), 64, 0.001) == 54
 
 
 def test_late_requests_give_way_unless_they_ride_or_are_overdue():

@@ -21,7 +21,9 @@ targets in that batch when every target that is set holds:
 
     w + F(b) <= ttft,   D(b) <= tpot,   w + B(b) <= e2e     (e2e: the tighter of the SLO and its deadline)
 
-Who. A waiting request is late when it misses its targets even in the batch that would go now
+Who. The waiting considered are the first 2 * cap in queue order, the most the two batches
+counted below can take: behind a queue head of late requests, those still on time. A waiting
+request is late when it misses its targets even in the batch that would go now
 (of min(n, c) requests, n waiting; c below). The batch is offered to, in this order (queue order
 within each group):
 
@@ -42,7 +44,8 @@ to s) and the long-run load needs (from f):
 
     c = argmax{ good(b) / busy(b) : f <= b <= s }     the smallest on a tie; with none good, of b / B(b)
     s = max{ b <= cap : F(b) <= ttft, D(b) <= tpot, B(b) <= e2e }              (1 if none)
-    f = min{ b <= s : b >= B(b) / (h * G) }                                    (s if none)
+    f = min{ b <= s : b >= B(b) / (h * G) }                                    keeps pace, or where none does
+    f = min{ b <= s : b / B(b) >= h * max{ b' / B(b') : b' <= s } }            serves within h of the most
 
 counted over this batch and, when it leaves some of the d waiting, the batch of the rest right
 after it (b2 = min(d - b, b) of them, each having waited B(b) longer):
@@ -59,7 +62,10 @@ a burst, where a larger batch is nearly free (a GPU below its knee) the one batc
 past the waiting count as newcomers that meet their targets. The two batches look no further:
 under a sustained load, batches that only just keep up let the queue grow, so no batch is
 smaller than f, the size that keeps pace with the long-run arrival rate while busy at most h of
-the time (the 30 s average a burst out). With no target set, c = s = cap.
+the time (the 30 s average a burst out). Where no size the targets allow keeps that pace (a load
+past them, or a burst that began within those 30 s), the floor is the smallest size that serves
+within h of the most requests per second they allow, not s itself: B(s) is at the target, so
+in a batch of s everyone who has waited misses. With no target set, c = s = cap.
 
 Unless the load puts the targets out of reach. With q requests waiting in all, the pace size
 
@@ -243,7 +249,7 @@ def batch_cap(times: Callable[[int], BatchTimes], top: int, targets: Targets, ga
         p = pace_size(times, top, gap, queued)
         if p > s:
             return p, True
-    return rate_size(times, s, targets, waits, e2e, pace_size(times, s, HEADROOM * long_gap, 0)), False
+    return rate_size(times, s, targets, waits, e2e, floor_size(times, s, HEADROOM * long_gap)), False
 
 
 def rate_size(times: Callable[[int], BatchTimes], top: int, targets: Targets, waits: Sequence[float],
@@ -274,11 +280,26 @@ def rate_size(times: Callable[[int], BatchTimes], top: int, targets: Targets, wa
 def pace_size(times: Callable[[int], BatchTimes], top: int, gap: float, queued: int) -> int:
     """The smallest b <= top whose batch leaves no more waiting than it takes: those it leaves of
     the `queued` plus those arriving, one per `gap`, while it runs (top when none does)."""
-    for b in range(1, top + 1):
-        t = times(b).total
-        if b >= max(0, queued - b) + (t / gap if gap > 0 else math.inf if t > 0 else 0.0):
-            return b
-    return top
+    return next((b for b in range(1, top + 1) if _keeps_pace(times, b, gap, queued)), top)
+
+
+def floor_size(times: Callable[[int], BatchTimes], top: int, gap: float) -> int:
+    """f of the control law: the smallest b <= top that keeps pace with one arrival per `gap`;
+    where none does, the smallest whose requests per second are within HEADROOM of the most
+    any b <= top serves."""
+    paced = next((b for b in range(1, top + 1) if _keeps_pace(times, b, gap, 0)), None)
+    if paced is not None:
+        return paced
+    rates = [b / t.total if (t := times(b)).total > 0 else math.inf for b in range(1, top + 1)]
+    most = max(rates)
+    return next(b for b, r in enumerate(rates, 1) if r >= HEADROOM * most)
+
+
+def _keeps_pace(times: Callable[[int], BatchTimes], b: int, gap: float, queued: int) -> bool:
+    """A batch of b leaves no more of the `queued` waiting than it takes, counting one arrival
+    per `gap` while it runs."""
+    t = times(b).total
+    return b >= max(0, queued - b) + (t / gap if gap > 0 else math.inf if t > 0 else 0.0)
 
 
 def offer_order(waits: Sequence[float], e2e: Sequence[float | None], max_tokens: Sequence[int], now_t: BatchTimes,
