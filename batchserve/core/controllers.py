@@ -112,7 +112,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-HEADROOM = 0.85  # h of the control law: the busiest a batch size may be at the long-run arrival rate
+HEADROOM = 0.85  # h of the control law: the busiest the floor may be at the long-run rate, else its share of the most
 StepTime = Callable[[int, int], float]  # (tokens in the step, sequences in it) -> seconds
 
 

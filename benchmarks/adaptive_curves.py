@@ -1,0 +1,100 @@
+"""Adaptive against fixed points on this machine's measured speed swings, simulated.
+
+    python -m benchmarks.adaptive_curves --regime day --cap-at-1 8 --slo-ms 2000
+    python -m benchmarks.adaptive_curves --regime "on/off bursts" --cap 16 --speeds 0.6,0.8,1.0
+
+`benchmarks.adaptive_paired --json` keeps every live run's speed curve (runner time against
+the profile per 2 s window, relative to the run's mean) and calibration. Here each kept curve
+is replayed (`benchmarks.fidelity.ReplayedSpeed`) at several overall speeds s (runner time vs
+profile, decodes; prompts in the run's proportion), and every configuration of the paired
+grid is simulated on it: one case per curve and speed, each a deterministic test of the
+controller on a speed swing that happened. The load is `--cap` req/s x the regime's share,
+or, with `--cap-at-1 C`, C / s x that share (the capacity moves with the speed, so a day
+stays a day at every s). Per case the controller's goodput over the best fixed point's;
+pooled, the sums over all cases.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import tempfile
+from multiprocessing import Pool
+from typing import Any
+
+from batchserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from batchserve.sim.cost import ProfiledCost
+from benchmarks.adaptive import REGIMES, goodput_of, regime_items
+from benchmarks.adaptive_paired import best_fixed, configs
+from benchmarks.fidelity import simulate_replayed
+
+DEFAULT_CURVES = os.path.join(os.path.dirname(__file__), "data", "speed_curves.json")
+
+
+def case(args: tuple[str, dict[str, Any], float, str, float, bool, float, int]) -> dict[str, float]:
+    """Every configuration's goodput on one curve at overall speed s."""
+    profile, row, s, regime, cap, scaled, slo_ms, n = args
+    cal = row["calibration"]
+    own = ProfiledCost(profile, kv_cache_gb=0.5, overhead_s=cal["overhead_s"], scale=s,
+                       prompt_scale=cal["prompt_scale"] * s / cal["scale"])
+    items = regime_items(regime, cap / s if scaled else cap, n, 0)
+    out = {}
+    for name, kw in configs().items():
+        cfg = EngineConfig(cache=CacheConfig(kv_cache_gb=0.5, prefix_caching=False),
+                           scheduler=SchedulerConfig(slo_p99_ms=slo_ms, **kw))
+        out[name] = goodput_of(simulate_replayed(cfg, own, row["curve"], items, slo_ms)["goodput"]["n_good"], items)
+    return out
+
+
+def run(profile: str, curves: list[dict[str, Any]], speeds: list[float], regime: str, cap: float, scaled: bool,
+        slo_ms: float, n: int, procs: int) -> dict[str, Any]:
+    """One regime under one SLO over every curve x speed: how often and by how much the
+    controller trails the best fixed point, and the pooled ratio."""
+    jobs = [(profile, row, s, regime, cap, scaled, slo_ms, n) for row, s in itertools.product(curves, speeds)]
+    with Pool(procs) as pool:
+        cases = pool.map(case, jobs)
+    ratios = [c["adaptive"] / c[best_fixed(c)] if c[best_fixed(c)] > 0 else 1.0 for c in cases]
+    pooled = {k: sum(c[k] for c in cases) for k in cases[0]}
+    best = best_fixed(pooled)
+    return {"regime": regime, "load": f"{cap:g} / s" if scaled else f"{cap:g}", "slo_ms": slo_ms, "cases": len(cases),
+            "at_least": sum(r >= 0.999 for r in ratios), "worst": min(ratios),
+            "pooled": pooled["adaptive"] / pooled[best], "pooled_best": best}
+
+
+def markdown(rows: list[dict[str, Any]]) -> list[str]:
+    head = ["regime", "load (req/s x share)", "SLO (ms)", "cases", "adaptive >= best fixed", "worst case",
+            "pooled: adaptive / best (which)"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        out.append(f"| {r['regime']} | {r['load']} | {r['slo_ms']:,.0f} | {r['cases']} | {r['at_least']} | "
+                   f"{r['worst']:.3f}x | **{r['pooled']:.3f}x** ({r['pooled_best']}) |")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--curves", default=DEFAULT_CURVES, help="speed curves with their profile (default: the kept set)")
+    ap.add_argument("--regime", action="append", choices=list(REGIMES), help="load regime (repeatable; default day)")
+    load = ap.add_mutually_exclusive_group(required=True)
+    load.add_argument("--cap", type=float, help="capacity in req/s that the regime's load is a share of")
+    load.add_argument("--cap-at-1", type=float, help="that capacity at speed 1, divided by each speed")
+    ap.add_argument("--slo-ms", default="2000", help="end-to-end SLOs, comma-separated")
+    ap.add_argument("--speeds", default="0.6,0.8,1.0", help="runner time vs profile, comma-separated")
+    ap.add_argument("--requests", type=int, default=160)
+    ap.add_argument("--procs", type=int, default=2)
+    a = ap.parse_args(argv)
+    with open(a.curves) as f:
+        data = json.load(f)
+    speeds = [float(x) for x in a.speeds.split(",")]
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as profile:  # ProfiledCost reads a file
+        json.dump(data["profile"], profile)
+        profile.flush()
+        rows = [run(profile.name, data["rows"], speeds, reg, a.cap if a.cap is not None else a.cap_at_1,
+                    a.cap is None, float(slo), a.requests, a.procs)
+                for slo in a.slo_ms.split(",") for reg in a.regime or ["day"]]
+    print("\n".join(markdown(rows)))
+
+
+if __name__ == "__main__":
+    main()
