@@ -21,9 +21,7 @@ targets in that batch when every target that is set holds:
 
     w + F(b) <= ttft,   D(b) <= tpot,   w + B(b) <= e2e     (e2e: the tighter of the SLO and its deadline)
 
-Who. The waiting considered are the first 2 * cap in queue order, the most the two batches
-counted below can take: behind a queue head of late requests, those still on time. A waiting
-request is late when it misses its targets even in the batch that would go now
+Who. A waiting request is late when it misses its targets even in the batch that would go now
 (of min(n, c) requests, n waiting; c below). The batch is offered to, in this order (queue order
 within each group):
 

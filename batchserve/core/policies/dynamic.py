@@ -93,7 +93,7 @@ class DynamicPolicy(RequestLevelPolicy):
         if self.members or not len(sched.waiting):
             return
         cap = min(self.cap_max, sched.config.max_num_seqs)
-        head = list(islice(iter(sched.waiting), 2 * cap))  # the two batches the control law counts
+        head = list(islice(iter(sched.waiting), cap))
         waits = [now - r.arrival_time for r in head]
         e2e = [_e2e(r, self.targets.e2e) for r in head]
         prompt = sum(r.num_prompt_tokens for r in head) / len(head)
