@@ -54,7 +54,7 @@ def run(profile: str, curves: list[dict[str, Any]], speeds: list[float], regime:
     jobs = [(profile, row, s, regime, cap, scaled, slo_ms, n) for row, s in itertools.product(curves, speeds)]
     with Pool(procs) as pool:
         cases = pool.map(case, jobs)
-    ratios = [c["adaptive"] / c[best_fixed(c)] if c[best_fixed(c)] > 0 else 1.0 for c in cases]
+    ratios = [c["adaptive"] / b if (b := c[best_fixed(c)]) > 0 else 1.0 for c in cases]
     pooled = {k: sum(c[k] for c in cases) for k in cases[0]}
     best = best_fixed(pooled)
     return {"regime": regime, "load": f"{cap:g} / s" if scaled else f"{cap:g}", "slo_ms": slo_ms, "cases": len(cases),

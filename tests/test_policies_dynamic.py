@@ -204,4 +204,3 @@ def test_dynamic_through_a_burst_serves_the_on_time_first(make_fake_engine):
     adaptive = good("dynamic", max_batch=32, window_max_ms=50.0)
     fixed = {c: good("static", max_batch=c, window_ms=0.0) for c in (11, 22)}
     assert adaptive > 1.5 * max(fixed.values()), (adaptive, fixed)
-

@@ -285,8 +285,8 @@ def floor_size(times: Callable[[int], BatchTimes], top: int, gap: float) -> int:
     """f of the control law: the smallest b <= top that keeps pace with one arrival per `gap`;
     where none does, the smallest whose requests per second are within HEADROOM of the most
     any b <= top serves."""
-    paced = next((b for b in range(1, top + 1) if _keeps_pace(times, b, gap, 0)), None)
-    if paced is not None:
+    paced = pace_size(times, top, gap, 0)
+    if _keeps_pace(times, paced, gap, 0):
         return paced
     rates = [b / t.total if (t := times(b)).total > 0 else math.inf for b in range(1, top + 1)]
     most = max(rates)
