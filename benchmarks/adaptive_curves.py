@@ -11,7 +11,8 @@ grid is simulated on it: one case per curve and speed, each a deterministic test
 controller on a speed swing that happened. The load is `--cap` req/s x the regime's share,
 or, with `--cap-at-1 C`, C / s x that share (the capacity moves with the speed, so a day
 stays a day at every s). Per case the controller's goodput over the best fixed point's;
-pooled, the sums over all cases.
+pooled, the sums over all cases; and the tail: in how many cases the controller's P99 end to
+end is no worse than that best fixed point's, and the median of its P99 over that point's.
 """
 from __future__ import annotations
 
@@ -32,8 +33,8 @@ from benchmarks.fidelity import simulate_replayed
 DEFAULT_CURVES = os.path.join(os.path.dirname(__file__), "data", "speed_curves.json")
 
 
-def case(args: tuple[str, dict[str, Any], float, str, float, bool, float, int]) -> dict[str, float]:
-    """Every configuration's goodput on one curve at overall speed s."""
+def case(args: tuple[str, dict[str, Any], float, str, float, bool, float, int]) -> dict[str, tuple[float, float]]:
+    """Every configuration's (goodput, P99 end to end in ms) on one curve at overall speed s."""
     profile, row, s, regime, cap, scaled, slo_ms, n = args
     cal = row["calibration"]
     own = ProfiledCost(profile, kv_cache_gb=0.5, overhead_s=cal["overhead_s"], scale=s,
@@ -43,7 +44,8 @@ def case(args: tuple[str, dict[str, Any], float, str, float, bool, float, int]) 
     for name, kw in configs().items():
         cfg = EngineConfig(cache=CacheConfig(kv_cache_gb=0.5, prefix_caching=False),
                            scheduler=SchedulerConfig(slo_p99_ms=slo_ms, **kw))
-        out[name] = goodput_of(simulate_replayed(cfg, own, row["curve"], items, slo_ms)["goodput"]["n_good"], items)
+        summary = simulate_replayed(cfg, own, row["curve"], items, slo_ms)
+        out[name] = goodput_of(summary["goodput"]["n_good"], items), summary["latency"]["e2e_ms"]["p99"]
     return out
 
 
@@ -53,22 +55,26 @@ def run(profile: str, curves: list[dict[str, Any]], speeds: list[float], regime:
     controller trails the best fixed point, and the pooled ratio."""
     jobs = [(profile, row, s, regime, cap, scaled, slo_ms, n) for row, s in itertools.product(curves, speeds)]
     with Pool(procs) as pool:
-        cases = pool.map(case, jobs)
+        both = pool.map(case, jobs)
+    cases = [{k: g for k, (g, _) in c.items()} for c in both]
     ratios = [c["adaptive"] / b if (b := c[best_fixed(c)]) > 0 else 1.0 for c in cases]
+    tails = sorted(t["adaptive"][1] / t[best_fixed(c)][1] for c, t in zip(cases, both))
     pooled = {k: sum(c[k] for c in cases) for k in cases[0]}
     best = best_fixed(pooled)
     return {"regime": regime, "load": f"{cap:g} / s" if scaled else f"{cap:g}", "slo_ms": slo_ms, "cases": len(cases),
             "at_least": sum(r >= 0.999 for r in ratios), "worst": min(ratios),
-            "pooled": pooled["adaptive"] / pooled[best], "pooled_best": best}
+            "pooled": pooled["adaptive"] / pooled[best], "pooled_best": best,
+            "p99_no_worse": sum(r <= 1.001 for r in tails), "p99_median": tails[len(tails) // 2]}
 
 
 def markdown(rows: list[dict[str, Any]]) -> list[str]:
     head = ["regime", "load (req/s x share)", "SLO (ms)", "cases", "adaptive >= best fixed", "worst case",
-            "pooled: adaptive / best (which)"]
+            "pooled: adaptive / best (which)", "P99 no worse than the best's", "P99 / best's, median"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         out.append(f"| {r['regime']} | {r['load']} | {r['slo_ms']:,.0f} | {r['cases']} | {r['at_least']} | "
-                   f"{r['worst']:.3f}x | **{r['pooled']:.3f}x** ({r['pooled_best']}) |")
+                   f"{r['worst']:.3f}x | **{r['pooled']:.3f}x** ({r['pooled_best']}) | {r['p99_no_worse']} | "
+                   f"{r['p99_median']:.3f}x |")
     return out
 
 
