@@ -11,6 +11,7 @@ run.
 
     python -m benchmarks.adaptive [--out BENCHMARKS.md]          # simulated, every regime
     python -m benchmarks.adaptive --live [--out BENCHMARKS.md]   # day and bursts on this machine
+    python -m benchmarks.adaptive --live --live-regimes "day,on/off bursts,BurstGPT replay"
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import datetime
 import os
 import statistics
 import time
-from typing import Any
+from typing import Any, Sequence
 
 from batchserve.bench.metrics import SLO
 from batchserve.bench.workload import WorkItem, make_workload
@@ -146,13 +147,15 @@ LIVE_GRID = [(w, c) for w in (0.0, 50.0) for c in (16, 32)]
 LIVE_REGIMES = ("day", "on/off bursts")
 
 
-def live(n: int, seed: int, tightness: list[float], rounds: int = 1) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def live(n: int, seed: int, tightness: list[float], rounds: int = 1,
+         regimes: Sequence[str] = LIVE_REGIMES) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The same comparison on this machine's real engine (the default model, wall clock), on a
-    smaller grid: capacity and P99 at half load calibrated live as in `calibrate`, then under an
-    SLO of each `tightness` x that P99, each regime through every grid point and `dynamic` in one
-    process over one loaded model, `rounds` times, the order rotating from cell to cell and round
-    to round so that no configuration always runs first or last; medians over the rounds, and
-    each round's ratio of the adaptive run to the best point's run of that round."""
+    smaller grid: each regime's workload's capacity and P99 at half load calibrated live as in
+    `calibrate`, then under an SLO of each `tightness` x that P99, each of `regimes` through every
+    grid point and `dynamic` in one process over one loaded model, `rounds` times, the order
+    rotating from cell to cell and round to round so that no configuration always runs first or
+    last; medians over the rounds, and each round's ratio of the adaptive run to the best point's
+    run of that round."""
     from batchserve.config import CacheConfig, ModelConfig
     from batchserve.runner.loader import load_model
     from batchserve.runner.model_runner import ModelRunner
@@ -168,17 +171,19 @@ def live(n: int, seed: int, tightness: list[float], rounds: int = 1) -> tuple[li
 
     fixed = dict(policy="static", window_ms=50.0, max_batch=32)
     one(workload("chat", 8, 100.0, seed + 99), fixed, None)  # warm the kernels
-    cap = one(workload("chat", 64, SATURATION_RATE, seed), fixed, None)["throughput_rps"]
-    p99 = one(workload("chat", n // 2, cap / 2, seed), fixed, None)["latency"]["e2e_ms"]["p99"]
-    print(f"live: capacity {cap:.2f} req/s, P99 at half load {p99:,.0f} ms", flush=True)
+    calib: dict[str, tuple[float, float]] = {}  # workload -> (capacity, P99 at half load)
+    for mix in dict.fromkeys(REGIMES[name][0] for name in regimes):
+        cap = one(workload(mix, 64, SATURATION_RATE, seed), fixed, None)["throughput_rps"]
+        calib[mix] = cap, one(workload(mix, n // 2, cap / 2, seed), fixed, None)["latency"]["e2e_ms"]["p99"]
+        print(f"live: {mix}: capacity {cap:.2f} req/s, P99 at half load {calib[mix][1]:,.0f} ms", flush=True)
     configs: dict[Any, dict[str, Any]] = {k: dict(policy="static", window_ms=k[0], max_batch=k[1]) for k in LIVE_GRID}
     # run_one hands every configuration slo_ms as slo_p99_ms: dynamic's target, ignored by static
     configs["adaptive"] = dict(policy="dynamic", max_batch=max(c for _, c in LIVE_GRID),
                                window_max_ms=max(w for w, _ in LIVE_GRID))
     keys = list(configs)
     # one cell per (SLO, regime): its SLO, its arrivals, and each configuration's (goodput, P99) runs
-    cells = [(100.0 * round(t * p99 / 100.0), name, regime_items(name, cap, n, seed))
-             for t in tightness for name in LIVE_REGIMES]
+    cells = [(100.0 * round(t * calib[mix][1] / 100.0), name, regime_items(name, calib[mix][0], n, seed))
+             for t in tightness for name in regimes for mix in [REGIMES[name][0]]]
     runs: list[dict[Any, list[tuple[float, float]]]] = [{k: [] for k in keys} for _ in cells]
     t0 = time.perf_counter()
     for r in range(rounds):
@@ -199,8 +204,8 @@ def live(n: int, seed: int, tightness: list[float], rounds: int = 1) -> tuple[li
                      "default": score[(50.0, 32)], "adaptive_goodput": ad[0], "adaptive_p99": ad[1],
                      # round by round, against the same point's run of that round: how far the noise reaches
                      "round_ratios": [a / max(b, 1e-9) for (a, _), (b, _) in zip(cell["adaptive"], cell[best])]})
-    return rows, {"capacity": cap, "p99_half": p99, "tightness": tightness, "n": n, "seed": seed, "rounds": rounds,
-                  "wall_s": time.perf_counter() - t0, "model": loaded.name}
+    return rows, {"calibration": calib, "regimes": list(regimes), "tightness": tightness, "n": n, "seed": seed,
+                  "rounds": rounds, "wall_s": time.perf_counter() - t0, "model": loaded.name}
 
 
 def goodput_of(n_good: int, items: list[WorkItem]) -> float:
@@ -209,13 +214,15 @@ def goodput_of(n_good: int, items: list[WorkItem]) -> float:
 
 def live_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    regimes = "" if tuple(meta["regimes"]) == LIVE_REGIMES else f" --live-regimes \"{','.join(meta['regimes'])}\""
+    calib = "; ".join(f"{mix} {cap:.2f} req/s, {p99:,.0f} ms" for mix, (cap, p99) in meta["calibration"].items())
     out = [f"## {SECTION}, live", "", f"The question above on this engine ({datetime.date.today().isoformat()}; {cpu}, {os.cpu_count()} cores, "
            f"{meta['model']}; command `python -m benchmarks.adaptive --live --live-requests {meta['n']} --tightness "
-           f"{','.join(f'{k:g}' for k in meta['tightness'])} --rounds {meta['rounds']}`; "
+           f"{','.join(f'{k:g}' for k in meta['tightness'])} --rounds {meta['rounds']}{regimes}`; "
            f"{meta['rounds']} run(s) per configuration and cell, the order rotating, medians; "
-           f"{meta['n']} requests, seed {meta['seed']}): capacity under 50 ms / 32 {meta['capacity']:.2f} req/s, "
-           f"SLO end to end, {' or '.join(f'{k:g}x' for k in meta['tightness'])} its P99 at half load "
-           f"({meta['p99_half']:,.0f} ms). Grid: windows "
+           f"{meta['n']} requests, seed {meta['seed']}): per workload, its capacity under 50 ms / 32 and its P99 at "
+           f"half load ({calib}); the SLO is end to end, "
+           f"{' or '.join(f'{k:g}x' for k in meta['tightness'])} that P99. Grid: windows "
            f"{', '.join(sorted({f'{w:g}' for w, _ in LIVE_GRID}))} ms x caps "
            f"{', '.join(str(c) for c in sorted({c for _, c in LIVE_GRID}))}; `dynamic` with window <= "
            f"{max(w for w, _ in LIVE_GRID):g} ms, cap <= {max(c for _, c in LIVE_GRID)}. Live timings move about 15 % run to run.", "",
@@ -228,14 +235,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--requests", type=int, default=1000, help="requests per regime and seed")
     ap.add_argument("--seeds", default="0,1,2", help="workload seeds, comma-separated")
     ap.add_argument("--tightness", default="2,1,0.5", help="SLOs as multiples of the calibrated P99, comma-separated")
-    ap.add_argument("--live", action="store_true", help="instead: day and on/off bursts on the real engine")
+    ap.add_argument("--live", action="store_true", help="instead: the live regimes on the real engine")
+    ap.add_argument("--live-regimes", default=",".join(LIVE_REGIMES), help="live: regimes, comma-separated")
     ap.add_argument("--live-requests", type=int, default=80, help="requests per live run")
     ap.add_argument("--rounds", type=int, default=1, help="live: runs of every configuration per cell (medians)")
     ap.add_argument("--out", default=None, help="write the section into this Markdown file")
     a = ap.parse_args(argv)
     if a.live:
+        regimes = a.live_regimes.split(",")
+        if unknown := [r for r in regimes if r not in REGIMES]:
+            ap.error(f"--live-regimes: unknown {', '.join(unknown)} (known: {', '.join(REGIMES)})")
         rows, meta = live(a.live_requests, int(a.seeds.split(",")[0]), [float(x) for x in a.tightness.split(",")],
-                          a.rounds)
+                          a.rounds, regimes)
         text, heading = live_markdown(rows, meta), f"## {SECTION}, live"
     else:
         rows, meta = run(a.requests, [int(x) for x in a.seeds.split(",")], [float(x) for x in a.tightness.split(",")])
