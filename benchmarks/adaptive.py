@@ -125,9 +125,14 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def ratio(a: float, b: float, fmt: str) -> str:
+    """a / b in `fmt`; with nothing to divide by, "-" where a is nothing too, else "inf"."""
+    return fmt.format(a / b) if b > 0 else "-" if a <= 0 else "inf"
+
+
 def table(rows: list[dict[str, Any]], slo: bool, p99: str) -> list[str]:
     """The comparison's rows, one per regime (and SLO, with `slo`)."""
-    rounds = "round_ratios" in rows[0] if rows else False
+    rounds = "round_goodputs" in rows[0] if rows else False
     cols = ["regime"] + ["SLO (ms)"] * slo + ["offered req/s", "best fixed (window, cap)", "its goodput",
                                               "adaptive goodput", "adaptive / best"] + \
         ["the same, round by round"] * rounds + [p99, "50 ms / 32 goodput"]
@@ -136,8 +141,8 @@ def table(rows: list[dict[str, Any]], slo: bool, p99: str) -> list[str]:
         w, c = r["best"]
         cells = [r["regime"]] + [f"{r['slo_ms']:,.0f}"] * slo + [
             f"{r['rate']:.2f}", f"{w:g} ms, {c}", f"{r['best_goodput']:.2f}", f"{r['adaptive_goodput']:.2f}",
-            f"{r['adaptive_goodput'] / max(r['best_goodput'], 1e-9):.3f}x"] + \
-            [", ".join(f"{x:.2f}" for x in r.get("round_ratios", []))] * rounds + [
+            ratio(r["adaptive_goodput"], r["best_goodput"], "{:.3f}x")] + \
+            [", ".join(ratio(a, b, "{:.2f}") for a, b in r.get("round_goodputs", []))] * rounds + [
             f"{r['best_p99']:,.0f} / {r['adaptive_p99']:,.0f}", f"{r['default'][0]:.2f}"]
         out.append("| " + " | ".join(cells) + " |")
     return out
@@ -203,7 +208,7 @@ def live(n: int, seed: int, tightness: list[float], rounds: int = 1,
                      "best": best, "best_goodput": score[best][0], "best_p99": score[best][1],
                      "default": score[(50.0, 32)], "adaptive_goodput": ad[0], "adaptive_p99": ad[1],
                      # round by round, against the same point's run of that round: how far the noise reaches
-                     "round_ratios": [a / max(b, 1e-9) for (a, _), (b, _) in zip(cell["adaptive"], cell[best])]})
+                     "round_goodputs": [(a, b) for (a, _), (b, _) in zip(cell["adaptive"], cell[best])]})
     return rows, {"calibration": calib, "regimes": list(regimes), "tightness": tightness, "n": n, "seed": seed,
                   "rounds": rounds, "wall_s": time.perf_counter() - t0, "model": loaded.name}
 
