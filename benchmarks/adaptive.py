@@ -70,12 +70,6 @@ def regime_items(name: str, cap: float, n: int, seed: int) -> list[WorkItem]:
     return workload(mix, n if share > 0.1 else max(50, n // 8), share * cap, seed, **kw)
 
 
-def goodput(res: Any, items: list[WorkItem]) -> float:
-    """Requests within the SLO per second of offered traffic (first to last arrival)."""
-    span = max(items[-1].arrival - items[0].arrival, 1e-9)
-    return res.summary["goodput"]["n_good"] / span
-
-
 def compare(cost: Any, name: str, cap: float, slo_ms: float, n: int, seeds: list[int]) -> dict[str, Any]:
     """One regime under one SLO: goodput (mean over seeds) and worst P99 of every grid point
     and of `dynamic`; the best grid point is the one with the most goodput."""
@@ -89,7 +83,7 @@ def compare(cost: Any, name: str, cap: float, slo_ms: float, n: int, seeds: list
         offered += len(items) / max(items[-1].arrival, 1e-9) / len(seeds)
         for k, cfg in configs.items():
             res = simulate(cfg, cost, items, slo=slo)
-            score[k][0] += goodput(res, items) / len(seeds)
+            score[k][0] += goodput_of(res.summary["goodput"]["n_good"], items) / len(seeds)
             score[k][1] = max(score[k][1], res.summary["latency"]["e2e_ms"]["p99"])
     ad = score.pop("adaptive")
     best = max(score, key=lambda k: (round(score[k][0], 6), -score[k][1]))
@@ -125,9 +119,9 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def ratio(a: float, b: float, fmt: str) -> str:
-    """a / b in `fmt`; with nothing to divide by, "-" where a is nothing too, else "inf"."""
-    return fmt.format(a / b) if b > 0 else "-" if a <= 0 else "inf"
+def ratio(a: float, b: float, fmt: str = "{:.3f}x") -> str:
+    """a / b in `fmt`; with nothing to divide by, "–" where a is nothing too, else "inf"."""
+    return fmt.format(a / b) if b > 0 else "–" if a <= 0 else "inf"
 
 
 def table(rows: list[dict[str, Any]], slo: bool, p99: str) -> list[str]:
@@ -141,7 +135,7 @@ def table(rows: list[dict[str, Any]], slo: bool, p99: str) -> list[str]:
         w, c = r["best"]
         cells = [r["regime"]] + [f"{r['slo_ms']:,.0f}"] * slo + [
             f"{r['rate']:.2f}", f"{w:g} ms, {c}", f"{r['best_goodput']:.2f}", f"{r['adaptive_goodput']:.2f}",
-            ratio(r["adaptive_goodput"], r["best_goodput"], "{:.3f}x")] + \
+            ratio(r["adaptive_goodput"], r["best_goodput"])] + \
             [", ".join(ratio(a, b, "{:.2f}") for a, b in r.get("round_goodputs", []))] * rounds + [
             f"{r['best_p99']:,.0f} / {r['adaptive_p99']:,.0f}", f"{r['default'][0]:.2f}"]
         out.append("| " + " | ".join(cells) + " |")
@@ -214,6 +208,7 @@ def live(n: int, seed: int, tightness: list[float], rounds: int = 1,
 
 
 def goodput_of(n_good: int, items: list[WorkItem]) -> float:
+    """Requests within the SLO per second of offered traffic (first to last arrival)."""
     return n_good / max(items[-1].arrival - items[0].arrival, 1e-9)
 
 

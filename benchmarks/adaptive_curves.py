@@ -57,8 +57,9 @@ def run(profile: str, curves: list[dict[str, Any]], speeds: list[float], regime:
     with Pool(procs) as pool:
         both = pool.map(case, jobs)
     cases = [{k: g for k, (g, _) in c.items()} for c in both]
-    ratios = [c["adaptive"] / b if (b := c[best_fixed(c)]) > 0 else 1.0 for c in cases]
-    tails = sorted(t["adaptive"][1] / t[best_fixed(c)][1] for c, t in zip(cases, both))
+    bests = [best_fixed(c) for c in cases]
+    ratios = [c["adaptive"] / c[b] if c[b] > 0 else 1.0 for c, b in zip(cases, bests)]
+    tails = sorted(t["adaptive"][1] / t[b][1] for t, b in zip(both, bests))
     pooled = {k: sum(c[k] for c in cases) for k in cases[0]}
     best = best_fixed(pooled)
     return {"regime": regime, "load": f"{cap:g} / s" if scaled else f"{cap:g}", "slo_ms": slo_ms, "cases": len(cases),

@@ -26,7 +26,7 @@ from typing import Any
 from batchserve.bench.metrics import summarize, span_s
 from batchserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from batchserve.sim.cost import ProfiledCost
-from benchmarks.adaptive import LIVE_GRID, REGIMES, goodput_of, regime_items
+from benchmarks.adaptive import LIVE_GRID, REGIMES, goodput_of, ratio, regime_items
 from benchmarks.fidelity import TimedExecutor, calibrated, live_run, simulate_replayed, speed_of
 
 
@@ -77,10 +77,6 @@ def run(profile: str, cap: float, slo_ms: float, regime: str, n: int, rounds: in
 def best_fixed(goodput: dict[str, float]) -> str:
     """The fixed point with the most goodput."""
     return max((k for k in goodput if k != "adaptive"), key=lambda k: goodput[k])
-
-
-def ratio(a: float, b: float) -> str:
-    return f"{a / b:.3f}x" if b > 0 else "–"
 
 
 def format_row(row: dict[str, Any]) -> str:
