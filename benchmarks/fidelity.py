@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+import random
 import statistics
 import time
 from typing import Any, Callable
@@ -169,26 +171,34 @@ class ReplayedSpeed(ProfiledCost):
     step starting at simulated time t (seconds from the run's start, as the live run counts) is
     priced at the speed the machine ran at in t's window. `clock` is the simulator's. With
     `flat`, every step's runner time is that constant instead of the profile's prediction: the
-    control that shows what the replayed speed alone explains."""
+    control that shows what the replayed speed alone explains. With `jitter` > 0, each step's
+    runner time is also multiplied by its own draw from a lognormal of mean 1 and that
+    coefficient of variation (`seed` picks the draws): the step-to-step noise a window's mean
+    leaves out, so that one curve gives many runs, as the machine would."""
 
     def __init__(self, base: ProfiledCost, curve: list[float], clock: Any, flat: float | None = None,
-                 window_s: float = REPLAY_WINDOW_S) -> None:
+                 window_s: float = REPLAY_WINDOW_S, jitter: float = 0.0, seed: int = 0) -> None:
         super().__init__(base.path, num_blocks=base._num_blocks, overhead_s=base.overhead_s, scale=base.scale,
                          prompt_scale=base.prompt_scale)
         self.curve, self.clock, self.flat, self.window_s = curve, clock, flat, window_s
+        self.sigma = math.sqrt(math.log1p(jitter ** 2))  # of the log: CV^2 = exp(sigma^2) - 1
+        self.rng = random.Random(seed)
 
     def step_time(self, batch: Any) -> float:
         k = min(int(self.clock.now() // self.window_s), len(self.curve) - 1)
         runner = self.flat if self.flat is not None else super().step_time(batch) - self.overhead_s
+        if self.sigma > 0:
+            runner *= self.rng.lognormvariate(-self.sigma ** 2 / 2, self.sigma)
         return runner * self.curve[k] + self.overhead_s
 
 
 def simulate_replayed(config: EngineConfig, own: ProfiledCost, curve: list[float], items: list[WorkItem],
-                      slo_ms: float | None = None, flat: float | None = None) -> dict[str, Any]:
+                      slo_ms: float | None = None, flat: float | None = None, jitter: float = 0.0,
+                      seed: int = 0) -> dict[str, Any]:
     """The simulator's summary of `items` under `config`, priced by `own` (a profile calibrated
-    on a live run) at that run's speed `curve` (`ReplayedSpeed`)."""
+    on a live run) at that run's speed `curve` (`ReplayedSpeed`, with its `jitter` and `seed`)."""
     sim = Simulator(config, own, slo_ms=slo_ms)
-    sim.executor.cost = ReplayedSpeed(own, curve, sim.clock, flat=flat)
+    sim.executor.cost = ReplayedSpeed(own, curve, sim.clock, flat=flat, jitter=jitter, seed=seed)
     return sim.run(items).summary
 
 

@@ -3,6 +3,7 @@ run's steps, and the cost that prices simulated steps by it."""
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
@@ -85,3 +86,41 @@ def test_the_paired_table_pools_every_speed_curve_and_names_the_best_fixed_point
     assert "curves only: 4.00 against 4.50 for 50 ms / 32 (0.889x)" in text
     assert "adaptive 3.00 against 5.00 for 50 ms / 32 (0.600x)" in text
     assert "| 1.200x |" in text and "| 0.889x |" in text  # each curve: adaptive over that curve's best fixed point
+
+
+def test_jittered_steps_keep_their_mean_and_draw_the_set_spread(profile) -> None:
+    base = ProfiledCost(profile, overhead_s=0.001)
+    runner = base.step_time(decode(4)) - 0.001
+    draws = [ReplayedSpeed(base, [2.0], SimClock(), jitter=0.1, seed=7) for _ in range(2)]
+    times = [[(c.step_time(decode(4)) - 0.001) / (2.0 * runner) for _ in range(4000)] for c in draws]
+    assert times[0] == times[1]  # the same seed draws the same steps
+    assert statistics.fmean(times[0]) == pytest.approx(1.0, abs=0.01)
+    assert statistics.pstdev(times[0]) == pytest.approx(0.1, abs=0.01)
+    a, b = (ReplayedSpeed(base, [2.0], SimClock(), jitter=0.1, seed=s) for s in (7, 8))
+    assert [a.step_time(decode(4)) for _ in range(3)] != [b.step_time(decode(4)) for _ in range(3)]
+    still = ReplayedSpeed(base, [2.0], SimClock())
+    assert still.step_time(decode(4)) == pytest.approx(2.0 * runner + 0.001)
+
+
+def test_the_curves_spread_is_the_median_over_curves_of_each_ones_draws() -> None:
+    from benchmarks.adaptive_curves import spread
+
+    groups = [[{"a": 1.0}, {"a": 3.0}], [{"a": 2.0}, {"a": 2.0}], [{"a": 4.0}, {"a": 6.0}]]
+    # per curve: 1/2, 0, 1/5 -> median 0.2
+    assert spread(groups, "a") == pytest.approx(0.2)
+
+
+def test_the_live_best_fixed_point_is_also_judged_on_rounds_it_was_not_picked_on() -> None:
+    from benchmarks.adaptive import held_out, table
+
+    # (0, 16) looks best on every round but the second, where its luck ran out
+    runs = {(0.0, 16): [10.0, 6.0, 9.0], (50.0, 32): [8.0, 8.0, 8.0]}
+    # round 1: picked on rounds 2, 3 -> (50, 32) (median 8 vs 7.5), it ran 8; round 2: picked on
+    # 1, 3 -> (0, 16), it ran 6; round 3: on 1, 2 -> (0, 16) (8 vs 8, the first), 9 -> median 8
+    assert held_out(runs) == 8.0
+    assert held_out({(0.0, 16): [10.0]}) is None
+    row = {"regime": "day", "rate": 12.0, "slo_ms": 1100.0, "best": (0.0, 16), "best_goodput": 9.0,
+           "best_p99": 1500.0, "default": (8.0, 1400.0), "adaptive_goodput": 8.4, "adaptive_p99": 2000.0,
+           "round_goodputs": [(8.0, 10.0), (8.4, 6.0), (9.0, 9.0)], "held_out": 8.0}
+    line = table([row], slo=True, p99="P99")[2]
+    assert "| 0.933x | 0.80, 1.40, 1.00 | 1.050x (8.00) |" in line
