@@ -7,7 +7,7 @@ import pytest
 
 from batchserve.core.controllers import (BatchTimes, SortedWindow, Targets, batch_cap, batch_times,
                                          bucket_distance, decode_time, ewma, expected_lengths, floor_size,
-                                         length_bucket, offer_order, percentile, pace_size, plan_batch, rate_size,
+                                         hopeless_last, length_bucket, offer_order, percentile, pace_size, plan_batch, rate_size,
                                          slo_size)
 
 def linear(base: float, per: float):
@@ -165,6 +165,20 @@ def test_late_requests_give_way_unless_they_ride_or_are_overdue():
     assert offer_order([1.5, 0.5], [None, 1.2], [10, 50], now_t, t) == [0]  # no target of its own: on time
     ttft = Targets(ttft=0.5)  # late: waited more than 0.4 s
     assert offer_order([1.0, 0.6, 0.1], [None] * 3, [99, 99, 10], now_t, ttft) == [0, 2]
+
+
+def test_a_request_that_misses_even_alone_is_late_and_goes_behind_the_others():
+    now_t, t = BatchTimes(0.1, 0.01, 1.0), Targets(e2e=2.0)
+    waits, e2e = [0.5, 0.2, 0.1], [2.0] * 3
+    # the batch now (1 s) serves all three in time, but 1 alone takes 2.5 s: late, not overdue,
+    # longer than those on time, so it neither rides nor sets the bound the others ride under
+    assert offer_order(waits, e2e, [10, 400, 20], now_t, t, alone=[0.2, 2.5, 0.3]) == [0, 2]
+    assert offer_order(waits, e2e, [10, 400, 20], now_t, t) == [0, 1, 2]  # its own length not counted
+    # hopeless: misses its target even alone; behind the others, in queue order; overdue or
+    # without a target it keeps its place
+    assert hopeless_last([0.5, 0.2, 0.1, 1.7], e2e + [2.0], [0.2, 2.5, 0.3, 0.2], t) == [0, 2, 3, 1]
+    assert hopeless_last([0.5, 4.2, 0.1], e2e, [2.5, 2.5, 2.5], t) == [1, 0, 2]  # 1 is overdue
+    assert hopeless_last([0.5, 0.2], [None, None], [9.0, 9.0], Targets()) == [0, 1]
 
 
 def test_an_empty_model_launches_everything_at_once():

@@ -147,6 +147,30 @@ def test_dynamic_a_late_request_that_would_lengthen_the_batch_waits_for_a_later_
         assert out.finish_time - out.arrival_time <= 1.0
 
 
+def test_dynamic_a_request_that_misses_even_alone_does_not_shrink_the_batch(make_fake_engine):
+    """SLO 1 s end to end; six requests at once, the fourth with 200 tokens to write (1.2 s
+    alone). In queue order every batch of four or more ends past the SLO, so batches of three
+    would go and the long one would hold the two behind it past theirs; counted by its own
+    length it is hopeless, goes behind, and the five short ones go together, all in time."""
+    eng = make_fake_engine(policy="dynamic", max_batch=32, window_max_ms=50.0, num_blocks=1024, slo_p99_ms=1000.0)
+    eng.executor = SizedFakeExecutor(1024)  # a step of b sequences takes 4 + 2 b ms
+    warm(eng)
+    t = eng.clock.now() + 1.0
+    eng.clock.set(t)
+    pol = eng.scheduler.policy
+    formed, form = [], pol._form
+
+    def recording(sched, now):
+        form(sched, now)
+        formed.append({r.request_id for r in pol.members})
+
+    pol._form = recording
+    names = ["s1", "s2", "s3", "long", "s4", "s5"]
+    done = drive(eng, [(t, req(n, 4, 200 if n == "long" else 10)) for n in names])
+    assert formed == [{"s1", "s2", "s3", "s4", "s5"}, {"long"}]
+    assert all(done[n][0].finish_time - done[n][0].arrival_time <= 1.0 for n in names if n != "long")
+
+
 def test_dynamic_fit_is_judged_at_the_longest_output_the_batch_had(make_fake_engine):
     """The step-time model is exact here: an output far longer than the recent ones makes its
     batch longer than predicted, but is no error of the model's, and does not scale the

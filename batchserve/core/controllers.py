@@ -21,9 +21,14 @@ targets in that batch when every target that is set holds:
 
     w + F(b) <= ttft,   D(b) <= tpot,   w + B(b) <= e2e     (e2e: the tighter of the SLO and its deadline)
 
-Who. A waiting request is late when it misses its targets even in the batch that would go now
-(of min(n, c) requests, n waiting; c below). The batch is offered to, in this order (queue order
-within each group):
+Who. A waiting request is hopeless when it misses its end-to-end target even alone, w + B_i(1) >
+e2e with B_i(1) the time of a batch of it by itself (its own expected output, l_1 above), and is
+not overdue (below). Every rule that follows reads the queue with the hopeless moved behind the
+others, in queue order: at the head, one long output would price every batch at its length, so
+the sizes would shrink to 1 and each batch would end too late for all its members. A request is
+late when it misses its targets even in the batch that would go now (of min(n, c) requests, n
+waiting; c below), that batch lasting at least its own B_i(1). The batch is offered to, in this
+order (queue order within each group):
 
     overdue     late, and w >= 2 * its target (e2e, else ttft)
     on time     not late
@@ -34,11 +39,14 @@ do not lengthen: they would miss anyway, and with them the on-time members would
 last token, and everyone queued behind for the batch's end. A rider ends within the on-time
 members' bound, so it costs them one more row a step; a request that has waited twice its
 target goes whatever it costs, so none waits without bound. With no request on time, none
-late, no target set, or the targets out of the load's reach (below), this is the queue's order.
+late, no target set, or the targets out of the load's reach (below), this is the queue's order
+(the hopeless behind).
 
 Size. The batch takes the first min(d, c) of them, where c is the size that serves the most
 requests within their targets per second of engine time, among the sizes the targets allow (up
-to s) and the long-run load needs (from f):
+to s) and the long-run load needs (from f), over the first b offered: c is found once over the
+queue (hopeless behind) to tell who is late, and again over the order offered, which the batch
+takes (where the second finds the load out of reach, below, the first stands):
 
     c = argmax{ good(b) / busy(b) : f <= b <= s }     the smallest on a tie; with none good, of b / B(b)
     s = max{ b <= cap : F(b) <= ttft, D(b) <= tpot, B(b) <= e2e }              (1 if none)
@@ -75,9 +83,10 @@ that is the right trade: holding late requests back keeps the on-time ones withi
 the queue drains when the burst ends. Once a request has waited twice its target (overdue),
 the load has outlasted that: the queue grows for as long as it lasts, and every request in it
 misses by more. So when p > s, someone is overdue, and a TTFT or end-to-end target is set (one
-that waiting breaks), c = p, the queue is offered in its own order, and the batch launches by
-the rules without targets: the fixed point that serves the most, until the backlog is gone. A
-TPOT target alone is not broken by waiting, so a backlog never outgrows it.
+that waiting breaks), c = p, the queue is offered in its own order (the hopeless behind), and
+the batch launches by the rules without targets: the fixed point that serves the most, until
+the backlog is gone. A TPOT target alone is not broken by waiting, so a backlog never
+outgrows it.
 
 Launch now, with those b, when any of
 
@@ -300,15 +309,25 @@ def _keeps_pace(times: Callable[[int], BatchTimes], b: int, gap: float, queued: 
     return b >= max(0, queued - b) + (t / gap if gap > 0 else math.inf if t > 0 else 0.0)
 
 
+def hopeless_last(waits: Sequence[float], e2e: Sequence[float | None], alone: Sequence[float],
+                  targets: Targets) -> list[int]:
+    """The waiting requests' indices in queue order with the hopeless (the module docstring's
+    rule; `alone`: each one's B(1)) moved behind the others."""
+    hopeless = [e is not None and w + a > e and not is_overdue(w, e, targets) for w, e, a in zip(waits, e2e, alone)]
+    return [i for i, h in enumerate(hopeless) if not h] + [i for i, h in enumerate(hopeless) if h]
+
+
 def offer_order(waits: Sequence[float], e2e: Sequence[float | None], max_tokens: Sequence[int], now_t: BatchTimes,
-                targets: Targets) -> list[int]:
+                targets: Targets, alone: Sequence[float] = ()) -> list[int]:
     """Who is offered a place in the batch, as indices into the waiting requests (queue order),
     by the module docstring's rule: the overdue, the on-time, then the riders. `now_t`: the
-    times of the batch that would go now."""
+    times of the batch that would go now; `alone`: each request's B(1), its batch's time by
+    itself (none: not counted)."""
     on: list[int] = []
     late: list[int] = []
     for i, (w, e) in enumerate(zip(waits, e2e)):
-        (on if _meets(w, e, now_t, targets) else late).append(i)
+        t = now_t if i >= len(alone) else BatchTimes(now_t.first, now_t.decode, max(now_t.total, alone[i]))
+        (on if _meets(w, e, t, targets) else late).append(i)
     if not on or not late:
         return list(range(len(waits)))
     bound = max(max_tokens[i] for i in on)

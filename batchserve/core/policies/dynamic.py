@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 from batchserve.config import SchedulerConfig
 from batchserve.core.controllers import (BatchTimes, Plan, SortedWindow, Targets, arrival_gap, batch_cap,
                                          batch_times, bucket_distance, decode_time, ewma, expected_lengths,
-                                         is_overdue, length_bucket, offer_order, plan_batch)
+                                         hopeless_last, is_overdue, length_bucket, offer_order, plan_batch)
 from batchserve.core.latency import LatencyModel, ProfiledLatencyModel
 from batchserve.core.policies.request_level import RequestLevelPolicy
 from batchserve.request import Request, RequestStatus
@@ -120,6 +120,10 @@ class DynamicPolicy(RequestLevelPolicy):
                 return memo[b]
             return times
 
+        queue = head
+        alone = [fitted(1, expected_lengths([r.max_tokens], outs)).total for r in head]
+        back = hopeless_last(waits, e2e, alone, self.targets)
+        head, waits, e2e, alone = ([xs[i] for i in back] for xs in (head, waits, e2e, alone))
         times = times_of(head)
 
         since = 0.0 if self.last_arrival is None else now - self.last_arrival
@@ -128,11 +132,15 @@ class DynamicPolicy(RequestLevelPolicy):
                           waits, e2e, self._long_gap(now))
         c, paced = sized
         order = list(range(len(head))) if paced else offer_order(waits, e2e, [r.max_tokens for r in head],
-                                                                   times(min(len(head), c)), self.targets)
-        self.offered = None if order == list(range(len(head))) else [head[i] for i in order]
-        if self.offered is not None:
-            times = times_of(self.offered)
+                                                                   times(min(len(head), c)), self.targets, alone)
+        offered = [head[i] for i in order]
+        self.offered = None if offered == queue else offered
         waits, e2e = [waits[i] for i in order], [e2e[i] for i in order]
+        if order != list(range(len(head))):
+            times = times_of(offered)
+            again = batch_cap(times, cap, self.targets, arrival_gap(self.mean_gap_s, since), len(sched.waiting),
+                              overdue, waits, e2e, self._long_gap(now))
+            sized = sized if again[1] else again
         newcomer = None
         if self.longest.values:  # a batch of requests yet to arrive, each as long as the longest recent output
             longest = int(self.longest.values[-1])
