@@ -139,7 +139,7 @@ def table(rows: list[dict[str, Any]], slo: bool, p99: str) -> list[str]:
             f"{r['rate']:.2f}", f"{w:g} ms, {c}", f"{r['best_goodput']:.2f}", f"{r['adaptive_goodput']:.2f}",
             ratio(r["adaptive_goodput"], r["best_goodput"])] + \
             [", ".join(ratio(a, b, "{:.2f}") for a, b in r.get("round_goodputs", []))] * rounds + \
-            [f"{ratio(r['adaptive_goodput'], r['held_out'] or 0.0)} ({r['held_out'] or 0.0:.2f})"] * held + [
+            ([f"{ratio(r['adaptive_goodput'], r['held_out'])} ({r['held_out']:.2f})"] if held else []) + [
             f"{r['best_p99']:,.0f} / {r['adaptive_p99']:,.0f}", f"{r['default'][0]:.2f}"]
         out.append("| " + " | ".join(cells) + " |")
     return out

@@ -124,3 +124,7 @@ def test_the_live_best_fixed_point_is_also_judged_on_rounds_it_was_not_picked_on
            "round_goodputs": [(8.0, 10.0), (8.4, 6.0), (9.0, 9.0)], "held_out": 8.0}
     line = table([row], slo=True, p99="P99")[2]
     assert "| 0.933x | 0.80, 1.40, 1.00 | 1.050x (8.00) |" in line
+    # simulated rows have neither rounds nor a held-out pick
+    simulated = {k: v for k, v in row.items() if k not in ("round_goodputs", "held_out")}
+    head, _, line = table([simulated], slo=True, p99="P99")
+    assert "picked on the other rounds" not in head and "| 0.933x | 1,500 / 2,000 | 8.00 |" in line
