@@ -34,6 +34,19 @@ def batch_sizes(eng, arrivals):
     return sizes
 
 
+def members_of_each_batch(eng) -> list[set[str]]:
+    """A list that fills, as the engine runs, with each batch's request ids as it forms."""
+    pol, formed = eng.scheduler.policy, []
+    form = pol._form
+
+    def recording(sched, now):
+        form(sched, now)
+        formed.append({r.request_id for r in pol.members})
+
+    pol._form = recording
+    return formed
+
+
 def test_dynamic_launches_a_lone_request_at_once_when_arrivals_are_slow(make_fake_engine):
     eng = make_fake_engine(policy="dynamic", window_max_ms=1000.0, num_blocks=512)
     eng.executor = SizedFakeExecutor(512)  # a step of b sequences takes 4 + 2 b ms
@@ -128,14 +141,7 @@ def test_dynamic_a_late_request_that_would_lengthen_the_batch_waits_for_a_later_
     eng = make_fake_engine(policy="dynamic", max_batch=32, window_max_ms=50.0, num_blocks=1024, slo_p99_ms=1000.0)
     eng.executor = SizedFakeExecutor(1024)  # a step of b sequences takes 4 + 2 b ms
     warm(eng)
-    pol = eng.scheduler.policy
-    formed, form = [], pol._form
-
-    def recording(sched, now):
-        form(sched, now)
-        formed.append({r.request_id for r in pol.members})
-
-    pol._form = recording
+    formed = members_of_each_batch(eng)
     t = eng.clock.now() + 1.0
     eng.clock.set(t)
     done = drive(eng, [(t, req("first", 4, 200)),  # 200 steps of 6 ms: 1.2 s
@@ -157,14 +163,7 @@ def test_dynamic_a_request_that_misses_even_alone_does_not_shrink_the_batch(make
     warm(eng)
     t = eng.clock.now() + 1.0
     eng.clock.set(t)
-    pol = eng.scheduler.policy
-    formed, form = [], pol._form
-
-    def recording(sched, now):
-        form(sched, now)
-        formed.append({r.request_id for r in pol.members})
-
-    pol._form = recording
+    formed = members_of_each_batch(eng)
     names = ["s1", "s2", "s3", "long", "s4", "s5"]
     done = drive(eng, [(t, req(n, 4, 200 if n == "long" else 10)) for n in names])
     assert formed == [{"s1", "s2", "s3", "s4", "s5"}, {"long"}]
