@@ -19,21 +19,6 @@ def warm(eng, n=12, plen=4, out=10):
     assert eng.scheduler.latency.ready
 
 
-def batch_sizes(eng, arrivals):
-    """Drive `arrivals`; the size of each batch the policy formed, in order."""
-    pol, sizes = eng.scheduler.policy, []
-    form = pol._form
-
-    def recording(sched, now):
-        form(sched, now)
-        sizes.append(len(pol.members))
-
-    pol._form = recording
-    done = drive(eng, arrivals)
-    assert len(done) == len(arrivals)
-    return sizes
-
-
 def members_of_each_batch(eng) -> list[set[str]]:
     """A list that fills, as the engine runs, with each batch's request ids as it forms."""
     pol, formed = eng.scheduler.policy, []
@@ -45,6 +30,14 @@ def members_of_each_batch(eng) -> list[set[str]]:
 
     pol._form = recording
     return formed
+
+
+def batch_sizes(eng, arrivals):
+    """Drive `arrivals`; the size of each batch the policy formed, in order."""
+    formed = members_of_each_batch(eng)
+    done = drive(eng, arrivals)
+    assert len(done) == len(arrivals)
+    return [len(ids) for ids in formed]
 
 
 def test_dynamic_launches_a_lone_request_at_once_when_arrivals_are_slow(make_fake_engine):

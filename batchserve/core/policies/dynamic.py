@@ -128,8 +128,12 @@ class DynamicPolicy(RequestLevelPolicy):
 
         since = 0.0 if self.last_arrival is None else now - self.last_arrival
         overdue = any(is_overdue(w, e, self.targets) for w, e in zip(waits, e2e))
-        sized = batch_cap(times, cap, self.targets, arrival_gap(self.mean_gap_s, since), len(sched.waiting), overdue,
-                          waits, e2e, self._long_gap(now))
+        gap, long_gap = arrival_gap(self.mean_gap_s, since), self._long_gap(now)
+
+        def size(times: Callable[[int], BatchTimes], waits: list[float], e2e: list[float | None]) -> tuple[int, bool]:
+            return batch_cap(times, cap, self.targets, gap, len(sched.waiting), overdue, waits, e2e, long_gap)
+
+        sized = size(times, waits, e2e)
         c, paced = sized
         order = list(range(len(head))) if paced else offer_order(waits, e2e, [r.max_tokens for r in head],
                                                                    times(min(len(head), c)), self.targets, alone)
@@ -138,8 +142,7 @@ class DynamicPolicy(RequestLevelPolicy):
         waits, e2e = [waits[i] for i in order], [e2e[i] for i in order]
         if order != list(range(len(head))):
             times = times_of(offered)
-            again = batch_cap(times, cap, self.targets, arrival_gap(self.mean_gap_s, since), len(sched.waiting),
-                              overdue, waits, e2e, self._long_gap(now))
+            again = size(times, waits, e2e)
             sized = sized if again[1] else again
         newcomer = None
         if self.longest.values:  # a batch of requests yet to arrive, each as long as the longest recent output
