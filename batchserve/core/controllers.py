@@ -49,6 +49,7 @@ queue (hopeless behind) to tell who is late, and again over the order offered, w
 takes (where the second finds the load out of reach, below, the first stands):
 
     c = argmax{ good(b) / busy(b) : f <= b <= s }     the smallest on a tie; with none good, of b / B(b)
+    c = argmax{ good(b) / busy(b) : b < f }           where none from f up is good and one below is
     s = max{ b <= cap : F(b) <= ttft, D(b) <= tpot, B(b) <= e2e }              (1 if none)
     f = min{ b <= s : b >= B(b) / (h * G) }                                    keeps pace, or where none does
     f = min{ b <= s : b / B(b) >= h * max{ b' / B(b') : b' <= s } }            serves within h of the most
@@ -71,7 +72,10 @@ smaller than f, the size that keeps pace with the long-run arrival rate while bu
 the time (the 30 s average a burst out). Where no size the targets allow keeps that pace (a load
 past them, or a burst that began within those 30 s), the floor is the smallest size that serves
 within h of the most requests per second they allow, not s itself: B(s) is at the target, so
-in a batch of s everyone who has waited misses. With no target set, c = s = cap.
+in a batch of s everyone who has waited misses. The floor gives way where every size it
+allows would serve nobody in time and a smaller one would serve some: then its pace buys
+engine time for a queue in which those now waiting have all missed, at the price of the only
+requests that could still be served in time. With no target set, c = s = cap.
 
 Unless the load puts the targets out of reach. With q requests waiting in all, the pace size
 
@@ -263,11 +267,13 @@ def rate_size(times: Callable[[int], BatchTimes], top: int, targets: Targets, wa
               e2e: Sequence[float | None], floor: int = 1) -> int:
     """The control law's c: the argmax of good(b) / busy(b) over floor <= b <= top, the smallest
     on a tie and, where no size serves anyone in time, the one of most requests per second; top
-    when no target is set or the model knows nothing."""
+    when no target is set or the model knows nothing. Where no size from the floor up serves
+    anyone in time and a smaller one does, the argmax below the floor."""
     if not targets.any:
         return top
-    d, best, key = len(waits), top, (-1.0, -1.0)
-    for b in range(max(1, min(floor, top)), top + 1):
+    floor = max(1, min(floor, top))
+    d, best, key = len(waits), [top, top], [(-1.0, -1.0), (-1.0, -1.0)]  # below the floor, from it
+    for b in range(1, top + 1):
         t = times(b)
         if t.total <= 0:
             return top
@@ -278,10 +284,10 @@ def rate_size(times: Callable[[int], BatchTimes], top: int, targets: Targets, wa
             t2 = times(b2)
             m2 = sum(1 for w, e in zip(waits, e2e) if _meets(w + t.total, e, t2, targets))
             good, busy = good + min(b2, max(0, m2 - good)), busy + t2.total
-        k = (good / busy, b / t.total)
-        if k > key:
-            best, key = b, k
-    return best
+        k, i = (good / busy, b / t.total), int(b >= floor)
+        if k > key[i]:
+            best[i], key[i] = b, k
+    return best[0] if key[1][0] <= 0 < key[0][0] else best[1]
 
 
 def pace_size(times: Callable[[int], BatchTimes], top: int, gap: float, queued: int) -> int:
