@@ -73,9 +73,9 @@ the time (the 30 s average a burst out). Where no size the targets allow keeps t
 past them, or a burst that began within those 30 s), the floor is the smallest size that serves
 within h of the most requests per second they allow, not s itself: B(s) is at the target, so
 in a batch of s everyone who has waited misses. The floor gives way where every size it
-allows would serve nobody in time and a smaller one would serve some: then its pace buys
-engine time for a queue in which those now waiting have all missed, at the price of the only
-requests that could still be served in time. With no target set, c = s = cap.
+allows would serve nobody in time and a smaller one would serve some: keeping pace there
+serves later arrivals at the price of every request now waiting, some of whom the smaller
+batch serves in time. With no target set, c = s = cap.
 
 Unless the load puts the targets out of reach. With q requests waiting in all, the pace size
 
