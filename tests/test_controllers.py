@@ -137,6 +137,11 @@ def test_the_rate_size_serves_the_most_in_time_per_second():
     # but where the 12 have waited 0.7 s every size from 9 up makes all of them miss, and 3 of
     # them meet 2 s in a batch of 3: the floor gives way (it took 10, the most a second, before)
     assert batch_cap(times, 32, t, math.inf, 12, False, [0.7] * 12, [2.0] * 12, long_gap=0.25) == (3, False)
+    # it gives way only to a batch that serves one of its own members in time: here the first
+    # eight offered have waited 1.2 s and miss in any batch, and only the four behind them could
+    # meet 2 s (in a batch of 7 or fewer), so the floor stands and the most a second goes
+    late_first = [1.2] * 8 + [0.3] * 4
+    assert batch_cap(times, 32, t, math.inf, 12, False, late_first, [2.0] * 12, long_gap=0.25) == (10, False)
     assert batch_cap(times, 32, t, 1.0, 12, False, [0.7] * 12, [2.0] * 12, long_gap=1.0) == (3, False)  # 1/s: f = 2
 
 

@@ -49,7 +49,7 @@ queue (hopeless behind) to tell who is late, and again over the order offered, w
 takes (where the second finds the load out of reach, below, the first stands):
 
     c = argmax{ good(b) / busy(b) : f <= b <= s }     the smallest on a tie; with none good, of b / B(b)
-    c = argmax{ good(b) / busy(b) : b < f }           where none from f up is good and one below is
+    c = argmax{ good(b) / busy(b) : b < f, m(b) > 0 }  where none from f up is good and m(b) > 0 below
     s = max{ b <= cap : F(b) <= ttft, D(b) <= tpot, B(b) <= e2e }              (1 if none)
     f = min{ b <= s : b >= B(b) / (h * G) }                                    keeps pace, or where none does
     f = min{ b <= s : b / B(b) >= h * max{ b' / B(b') : b' <= s } }            serves within h of the most
@@ -73,9 +73,11 @@ the time (the 30 s average a burst out). Where no size the targets allow keeps t
 past them, or a burst that began within those 30 s), the floor is the smallest size that serves
 within h of the most requests per second they allow, not s itself: B(s) is at the target, so
 in a batch of s everyone who has waited misses. The floor gives way where every size it
-allows would serve nobody in time and a smaller one would serve some: keeping pace there
-serves later arrivals at the price of every request now waiting, some of whom the smaller
-batch serves in time. With no target set, c = s = cap.
+allows would serve nobody in time and a smaller batch would serve some of its own members in
+time (m(b) > 0: of the first b offered, that many meet their targets in it): keeping pace
+there serves later arrivals at the price of every request now waiting, some of whom the
+smaller batch serves. Its own members, not the queue's or the next batch's, since a smaller
+batch of none in time only gives up pace. With no target set, c = s = cap.
 
 Unless the load puts the targets out of reach. With q requests waiting in all, the pace size
 
@@ -268,7 +270,8 @@ def rate_size(times: Callable[[int], BatchTimes], top: int, targets: Targets, wa
     """The control law's c: the argmax of good(b) / busy(b) over floor <= b <= top, the smallest
     on a tie and, where no size serves anyone in time, the one of most requests per second; top
     when no target is set or the model knows nothing. Where no size from the floor up serves
-    anyone in time and a smaller one does, the argmax below the floor."""
+    anyone in time, the argmax over the smaller sizes whose batch serves one of its own members
+    in time, if any."""
     if not targets.any:
         return top
     floor = max(1, min(floor, top))
@@ -285,7 +288,7 @@ def rate_size(times: Callable[[int], BatchTimes], top: int, targets: Targets, wa
             m2 = sum(1 for w, e in zip(waits, e2e) if _meets(w + t.total, e, t2, targets))
             good, busy = good + min(b2, max(0, m2 - good)), busy + t2.total
         k, i = (good / busy, b / t.total), int(b >= floor)
-        if k > key[i]:
+        if k > key[i] and (i or any(_meets(w, e, t, targets) for w, e in zip(waits[:b], e2e[:b]))):
             best[i], key[i] = b, k
     return best[0] if key[1][0] <= 0 < key[0][0] else best[1]
 
