@@ -130,10 +130,11 @@ def test_the_rate_size_serves_the_most_in_time_per_second():
     # nobody can make it: the most requests a second; no target: the cap
     assert rate_size(times, 10, t, [5.0] * 12, [2.0] * 12) == 10
     assert rate_size(times, 10, Targets(), [0.7] * 12, [None] * 12) == 10
+    # no floor: 3 of the 12 who waited 0.7 s go, as above
+    assert batch_cap(times, 32, t, math.inf, 12, False, [0.7] * 12, [2.0] * 12) == (3, False)
     # the floor: a long-run 4/s needs b >= 4 (1 + 0.1 b) / 0.85, b >= 9; those who waited 0.1 s
     # meet 2 s in a batch of 9, so it holds
-    assert batch_cap(times, 32, t, math.inf, 12, False, [0.7] * 12, [2.0] * 12) == (3, False)
-    assert batch_cap(times, 32, t, 0.25, 12, False, [0.1] * 12, [2.0] * 12, long_gap=0.25) == (9, False)
+    assert batch_cap(times, 32, t, math.inf, 12, False, [0.1] * 12, [2.0] * 12, long_gap=0.25) == (9, False)
     # but where the 12 have waited 0.7 s every size from 9 up makes all of them miss, and 3 of
     # them meet 2 s in a batch of 3: the floor gives way (it took 10, the most a second, before)
     assert batch_cap(times, 32, t, math.inf, 12, False, [0.7] * 12, [2.0] * 12, long_gap=0.25) == (3, False)

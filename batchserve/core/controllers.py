@@ -49,7 +49,7 @@ queue (hopeless behind) to tell who is late, and again over the order offered, w
 takes (where the second finds the load out of reach, below, the first stands):
 
     c = argmax{ good(b) / busy(b) : f <= b <= s }     the smallest on a tie; with none good, of b / B(b)
-    c = argmax{ good(b) / busy(b) : b < f, m(b) > 0 }  where none from f up is good and m(b) > 0 below
+    c = argmax{ good(b) / busy(b) : b < f, m(b) > 0 } where none from f up is good, and one below has m(b) > 0
     s = max{ b <= cap : F(b) <= ttft, D(b) <= tpot, B(b) <= e2e }              (1 if none)
     f = min{ b <= s : b >= B(b) / (h * G) }                                    keeps pace, or where none does
     f = min{ b <= s : b / B(b) >= h * max{ b' / B(b') : b' <= s } }            serves within h of the most
