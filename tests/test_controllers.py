@@ -7,8 +7,8 @@ import pytest
 
 from batchserve.core.controllers import (BatchTimes, SortedWindow, Targets, batch_cap, batch_times,
                                          bucket_distance, decode_time, ewma, expected_lengths, floor_size,
-                                         hopeless_last, length_bucket, offer_order, percentile, pace_size, plan_batch, rate_size,
-                                         slo_size)
+                                         hopeless_last, length_bucket, offer_order, percentile, pace_size,
+                                         plan_batch, rate_size, slo_size)
 
 def linear(base: float, per: float):
     """times(b) for a batch whose whole time is base + per * b s (prefill a tenth of it)."""
