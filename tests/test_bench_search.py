@@ -77,6 +77,20 @@ def test_bench_find_max_goodput_writes_the_search(tmp_path, monkeypatch):
     assert "max goodput:" in table and "ttft_ms <= 500" in table and "attain" in table
 
 
+def test_bench_warns_when_the_run_ends_before_the_last_arrival(tmp_path, monkeypatch, capsys):
+    from batchserve.bench import client as bench_client
+
+    monkeypatch.setattr(bench_client, "run", _fake_run(capacity=20.0))
+    for limit, warned in ((1e6, False), (5.0, True)):  # 100 requests at 2 req/s arrive over ~50 s
+        cfg = ClientConfig("http://fake", progress=False, max_duration_s=limit)
+        bench_cli.run_sweep(cfg, "chat", 100, [2.0], str(tmp_path), label="fake", plot=False)
+        err = capsys.readouterr().err
+        assert ("will not be sent and count as failures" in err) == warned
+        if warned:
+            arrivals = [w.arrival for w in bench_cli.make_workload("chat", 100, 2.0, seed=0)]
+            assert f"{sum(a > 5.0 for a in arrivals)} of 100 requests" in err
+
+
 def test_bench_flags_are_checked_before_sending(capsys):
     from batchserve.cli import main
 

@@ -128,6 +128,10 @@ def run_sweep(cfg: ClientConfig, workload: str, requests: int, rates: list[float
                               **(arrival_kwargs or {}))
         print(f"{label}: {workload} at {rate:g} req/s: {len(items)} requests over {items[-1].arrival:.1f} s",
               file=sys.stderr)
+        if cfg.max_duration_s is not None and items[-1].arrival > cfg.max_duration_s:
+            unsent = sum(w.arrival > cfg.max_duration_s for w in items)
+            print(f"warning: --max-duration {cfg.max_duration_s:g} s ends the run before the last arrival: "
+                  f"{unsent} of {len(items)} requests will not be sent and count as failures", file=sys.stderr)
         res = run(items, cfg)
         model = model or res.model
         summary = summarize(res.records, res.duration_s, slo_ms, slo, per_class)
