@@ -18,6 +18,7 @@ YAML files that `--config` and `--queue-config` name (`read_yaml`).
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
@@ -187,7 +188,9 @@ class SchedulerConfig:
     static / dynamic (request level): `window_ms` / `max_batch` (static's fixed values;
     dynamic launches and sizes each batch, up to `max_batch`, by the control law in
     `core.controllers`, keeping to `slo_ttft_ms` / `slo_tpot_ms` / `slo_p99_ms` where set and
-    waiting at most `window_max_ms` for company); `bucket_by_length` groups similar lengths.
+    waiting at most `window_max_ms` for company, and seating a request it held back as late
+    once it has waited `overdue_factor` times its target); `bucket_by_length` groups similar
+    lengths.
     chunked: `chunk_size` tokens per prompt chunk. cascade: `prefill_max_batch` /
     `decode_max_batch` per stage, `cascade_ratio` decode steps between prefill steps while
     both stages have work, `cascade_workers` runs the stages in two worker processes.
@@ -218,6 +221,8 @@ class SchedulerConfig:
     slo_ttft_ms: float | None = _flag(None, "dynamic: time-to-first-token target (unset: none)")
     slo_tpot_ms: float | None = _flag(None, "dynamic: time-per-output-token target (unset: none)")
     slo_p99_ms: float | None = _flag(None, "dynamic: end-to-end target (unset: none)")
+    overdue_factor: float = _flag(2.0, "dynamic: a request held back as late goes first once it has waited "
+                                       "this many times its target")
     bucket_by_length: bool = _flag(False, "dynamic: batch similar lengths together")
     prefill_max_batch: int = _flag(64, "cascade: prefill cap")
     decode_max_batch: int = _flag(16, "cascade: decode cap")
@@ -241,6 +246,8 @@ class SchedulerConfig:
         _check(self.window_ms >= 0, "window_ms", "must be >= 0")
         _check(self.max_batch >= 1, "max_batch", "must be >= 1")
         _check(self.window_max_ms >= 0, "window_max_ms", "must be >= 0")
+        _check(0 < self.overdue_factor < math.inf, "overdue_factor",
+               f"must be > 0 and finite, got {self.overdue_factor}")
         for name in ("slo_ttft_ms", "slo_tpot_ms", "slo_p99_ms"):
             v = getattr(self, name)
             _check(v is None or v > 0, name, f"must be > 0 when set, got {v}")

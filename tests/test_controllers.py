@@ -166,6 +166,10 @@ def test_late_requests_give_way_unless_they_ride_or_are_overdue():
     # them, rides; 1: late, would lengthen the batch, left for a later one
     assert offer_order(waits, [2.0] * 5, longest, now_t, t) == [0, 3, 4, 2]
     assert offer_order(waits, [2.0, 2.0, 2.0, 2.0, 2.0], [99, 50, 10, 20, 60], now_t, t) == [0, 3, 4, 1, 2]
+    # k, the overdue factor: at 3 the request that has waited 4.5 s is not overdue yet and waits;
+    # at 0.75 both late ones that would lengthen the batch are (4.5 and 1.5 s >= 1.5 s), first
+    assert offer_order(waits, [2.0] * 5, longest, now_t, Targets(e2e=2.0, overdue=3.0)) == [3, 4, 2]
+    assert offer_order(waits, [2.0] * 5, longest, now_t, Targets(e2e=2.0, overdue=0.75)) == [0, 1, 3, 4, 2]
     # nobody on time, nobody late, or no target: the queue's order
     assert offer_order([1.5, 1.2], [2.0, 2.0], [50, 10], now_t, t) == [0, 1]
     assert offer_order([0.5, 0.1], [2.0, 2.0], [50, 10], now_t, t) == [0, 1]

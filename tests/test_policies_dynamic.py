@@ -2,10 +2,12 @@
 how large, and length bucketing."""
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 
+from batchserve.config import SchedulerConfig
 from tests.policy_helpers import SizedFakeExecutor, drive, req
 
 
@@ -220,3 +222,28 @@ def test_dynamic_through_a_burst_serves_the_on_time_first(make_fake_engine):
     adaptive = good("dynamic", max_batch=32, window_max_ms=50.0)
     fixed = {c: good("static", max_batch=c, window_ms=0.0) for c in (11, 22)}
     assert adaptive > 1.5 * max(fixed.values()), (adaptive, fixed)
+
+
+@pytest.mark.parametrize("factor, formed_after", [(2.0, [{"on-1", "on-2", "late-short"}, {"late-long"}]),
+                                                  (1.0, [{"late-long", "on-1", "on-2", "late-short"}])])
+def test_dynamic_the_overdue_factor_bounds_how_long_a_late_request_is_held_back(make_fake_engine, factor,
+                                                                               formed_after):
+    """The scene above: the long late request has waited 1.2 s of its 1 s SLO when the first
+    batch ends. Held back until twice its target (the default), it goes alone after the others;
+    at once its target (`overdue_factor` 1) it is overdue and goes first, with them."""
+    eng = make_fake_engine(policy="dynamic", max_batch=32, window_max_ms=50.0, num_blocks=1024, slo_p99_ms=1000.0,
+                           overdue_factor=factor)
+    eng.executor = SizedFakeExecutor(1024)
+    warm(eng)
+    formed = members_of_each_batch(eng)
+    t = eng.clock.now() + 1.0
+    eng.clock.set(t)
+    drive(eng, [(t, req("first", 4, 200)), (t + 0.01, req("late-long", 4, 100)), (t + 0.01, req("late-short", 4, 10)),
+                (t + 1.0, req("on-1", 4, 10)), (t + 1.0, req("on-2", 4, 10))])
+    assert formed == [{"first"}] + formed_after
+
+
+def test_the_overdue_factor_must_be_positive_and_finite():
+    for bad in (0.0, -1.0, math.inf):
+        with pytest.raises(ValueError, match="overdue_factor"):
+            SchedulerConfig(policy="dynamic", overdue_factor=bad)

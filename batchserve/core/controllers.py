@@ -30,16 +30,17 @@ late when it misses its targets even in the batch that would go now (of min(n, c
 waiting; c below), that batch lasting at least its own B_i(1). The batch is offered to, in this
 order (queue order within each group):
 
-    overdue     late, and w >= 2 * its target (e2e, else ttft)
+    overdue     late, and w >= k * its target (e2e, else ttft); k the overdue factor, 2 by default
     on time     not late
     riders      late, and max_tokens <= the largest max_tokens of those on time
 
 and d below counts them. The rest, late requests with a longer max_tokens, wait for a batch they
 do not lengthen: they would miss anyway, and with them the on-time members would wait for their
 last token, and everyone queued behind for the batch's end. A rider ends within the on-time
-members' bound, so it costs them one more row a step; a request that has waited twice its
-target goes whatever it costs, so none waits without bound. With no request on time, none
-late, no target set, or the targets out of the load's reach (below), this is the queue's order
+members' bound, so it costs them one more row a step; a request that has waited k times its
+target goes whatever it costs, so none waits without bound. A larger k holds the late back
+longer for the on-time ones: more requests in time, a longer tail. With no request on time,
+none late, no target set, or the targets out of the load's reach (below), this is the queue's order
 (the hopeless behind).
 
 Size. The batch takes the first min(d, c) of them, where c is the size that serves the most
@@ -89,7 +90,7 @@ Unless the load puts the targets out of reach. With q requests waiting in all, t
 is the smallest batch that leaves no more waiting than it takes (those it leaves, plus those
 arriving while it runs). When p > s, batches the targets allow fall behind. Through a burst
 that is the right trade: holding late requests back keeps the on-time ones within target, and
-the queue drains when the burst ends. Once a request has waited twice its target (overdue),
+the queue drains when the burst ends. Once a request has waited k times its target (overdue),
 the load has outlasted that: the queue grows for as long as it lasts, and every request in it
 misses by more. So when p > s, someone is overdue, and a TTFT or end-to-end target is set (one
 that waiting breaks), c = p, the queue is offered in its own order (the hopeless behind), and
@@ -141,11 +142,13 @@ def ewma(prev: float | None, x: float, alpha: float) -> float:
 
 @dataclass(frozen=True)
 class Targets:
-    """Latency targets in seconds; None: not set."""
+    """Latency targets in seconds (None: not set), and k of the control law: a request held
+    back is overdue once it has waited `overdue` times its target."""
 
     ttft: float | None = None
     tpot: float | None = None
     e2e: float | None = None
+    overdue: float = 2.0
 
     @property
     def any(self) -> bool:
@@ -257,7 +260,7 @@ def batch_cap(times: Callable[[int], BatchTimes], top: int, targets: Targets, ga
               long_gap: float = math.inf) -> tuple[int, bool]:
     """c of the control law, and whether the load puts the targets out of reach (c is then the
     pace size, larger than the targets allow). `queued`: how many wait in all; `overdue`: whether
-    one of them has waited twice its target; `waits` and `e2e`: the waiting, as `plan_batch`
+    one of them is overdue; `waits` and `e2e`: the waiting, as `plan_batch`
     takes them (none: the rate counts newcomers only); `long_gap`: G, the long-run arrival gap
     (inf: no floor)."""
     s = slo_size(times, top, targets)
@@ -351,9 +354,9 @@ def offer_order(waits: Sequence[float], e2e: Sequence[float | None], max_tokens:
 
 
 def is_overdue(w: float, e2e: float | None, targets: Targets) -> bool:
-    """Has waited w >= twice its target (its end-to-end one, else the TTFT target)."""
+    """Has waited w >= `targets.overdue` times its target (its end-to-end one, else the TTFT target)."""
     target = e2e if e2e is not None else targets.ttft
-    return target is not None and w >= 2 * target
+    return target is not None and w >= targets.overdue * target
 
 
 def _largest(ok: Callable[[int], bool], top: int) -> int:

@@ -59,7 +59,7 @@ class DynamicPolicy(RequestLevelPolicy):
             self.cap_max = max(1, min(self.cap_max, latency.knee_batch))
         self.max_batch = self.cap_max
         self.window_ms = 0.0
-        self.targets = Targets(_ms(cfg.slo_ttft_ms), _ms(cfg.slo_tpot_ms), _ms(cfg.slo_p99_ms))
+        self.targets = Targets(_ms(cfg.slo_ttft_ms), _ms(cfg.slo_tpot_ms), _ms(cfg.slo_p99_ms), cfg.overdue_factor)
         self.mean_gap_s: float | None = None
         self.last_arrival: float | None = None
         self.first_arrival: float | None = None
