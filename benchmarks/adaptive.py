@@ -93,14 +93,19 @@ def regime_items(name: str, cap: float, n: int, seed: int) -> list[WorkItem]:
     return workload(mix, n if share > 0.1 else max(50, n // 8), share * cap, seed, **kw)
 
 
-def compare(name: str, cap: float, slo_ms: float, n: int, seeds: list[int]) -> dict[str, Any]:
+def compare(name: str, cap: float, slo_ms: float, n: int, seeds: list[int],
+            factors: Sequence[float] = ()) -> dict[str, Any]:
     """One regime under one SLO: goodput (mean over seeds) and worst P99 of every grid point
     and of `dynamic`; the best grid point is the one with the most goodput, and the one picked
-    on the other seeds (with more than one)."""
+    on the other seeds (with more than one). `factors`: `dynamic` again at each of these
+    overdue factors (its default, 2, is the `dynamic` above)."""
     cost = RooflineCost(GPU, MODEL)
     slo = SLO(e2e_ms=slo_ms)
     configs = {(w, c): engine("static", window_ms=w, max_batch=c) for w in WINDOWS_MS for c in CAPS}
     configs["adaptive"] = engine("dynamic", max_batch=max(CAPS), window_max_ms=max(WINDOWS_MS), slo_p99_ms=slo_ms)
+    for f in factors:
+        configs[("k", f)] = engine("dynamic", max_batch=max(CAPS), window_max_ms=max(WINDOWS_MS), slo_p99_ms=slo_ms,
+                                   overdue_factor=f)
     good: dict[Any, list[float]] = {k: [] for k in configs}
     p99 = dict.fromkeys(configs, 0.0)
     offered = 0.0
@@ -112,35 +117,53 @@ def compare(name: str, cap: float, slo_ms: float, n: int, seeds: list[int]) -> d
             good[k].append(goodput_of(res.summary["goodput"]["n_good"], items))
             p99[k] = max(p99[k], res.summary["latency"]["e2e_ms"]["p99"])
     ad = good.pop("adaptive")
+    by_factor = {f: (statistics.fmean(good.pop(("k", f))), p99[("k", f)]) for f in factors}
     mean = {k: statistics.fmean(v) for k, v in good.items()}
     best = max(mean, key=lambda k: (round(mean[k], 6), -p99[k]))
     return {"regime": name, "rate": offered, "slo_ms": slo_ms, "best": best, "best_goodput": mean[best],
             "best_p99": p99[best], "default": (mean[(50.0, 32)], p99[(50.0, 32)]),
             "adaptive_goodput": statistics.fmean(ad), "adaptive_p99": p99["adaptive"],
-            "held_out": held_out(good, statistics.fmean)}
+            "held_out": held_out(good, statistics.fmean), "factors": by_factor}
 
 
-def run(n: int, seeds: list[int], tightness: list[float], jobs: int = 1) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def run(n: int, seeds: list[int], tightness: list[float], jobs: int = 1,
+        factors: Sequence[float] = ()) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Every regime under SLOs of each `tightness` x its workload's calibrated P99, `jobs`
     cells at a time (the simulator is deterministic: the same figures in any order)."""
     cost = RooflineCost(GPU, MODEL)
     cal = {mix: calibrate(cost, mix, n, seeds[0]) for mix in sorted({m for m, _, _ in REGIMES.values()})}
     t0 = time.perf_counter()
-    cells = [(name, cal[mix][0], k * cal[mix][1], n, seeds) for k in tightness for name, (mix, _, _) in REGIMES.items()]
+    cells = [(name, cal[mix][0], k * cal[mix][1], n, seeds, factors)
+             for k in tightness for name, (mix, _, _) in REGIMES.items()]
     if jobs > 1:
         with multiprocessing.get_context("fork").Pool(jobs) as pool:
             rows = pool.starmap(compare, cells, chunksize=1)
     else:
         rows = [compare(*c) for c in cells]
-    meta = {"calibration": cal, "n": n, "seeds": seeds, "tightness": tightness, "wall_s": time.perf_counter() - t0}
+    meta = {"calibration": cal, "n": n, "seeds": seeds, "tightness": tightness, "wall_s": time.perf_counter() - t0,
+            "factors": list(factors)}
     return rows, meta
+
+
+def factor_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Per regime and SLO, `dynamic` at each overdue factor: goodput over the best fixed
+    point's, and its worst P99."""
+    ks = sorted({2.0, *rows[0]["factors"]})
+    out = ["| regime | SLO (ms) | best fixed: goodput, worst P99 (ms) | " +
+           " | ".join(f"k = {k:g}" + " (default)" * (k == 2.0) for k in ks) + " |", "|" + "---|" * (3 + len(ks))]
+    for r in rows:
+        at = {**r["factors"], 2.0: (r["adaptive_goodput"], r["adaptive_p99"])}
+        out.append(f"| {r['regime']} | {r['slo_ms']:,.0f} | {r['best_goodput']:.2f}, {r['best_p99']:,.0f} | " +
+                   " | ".join(f"{ratio(at[k][0], r['best_goodput'])}, {at[k][1]:,.0f}" for k in ks) + " |")
+    return out
 
 
 def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     day = datetime.date.today().isoformat()
     cal = "; ".join(f"{m}: {c:.1f} req/s, P99 {p:,.0f} ms" for m, (c, p) in meta["calibration"].items())
+    factors = f" --overdue-factors {','.join(f'{k:g}' for k in meta['factors'])}" if meta.get("factors") else ""
     out = [f"## {SECTION}", "",
-           f"Command: `python -m benchmarks.adaptive` ({day}; simulated: {GPU} roofline, {MODEL}, lengths at "
+           f"Command: `python -m benchmarks.adaptive{factors}` ({day}; simulated: {GPU} roofline, {MODEL}, lengths at "
            f"scale {SCALE}; {meta['n']} requests per regime and seed, seeds {', '.join(map(str, meta['seeds']))}). "
            f"Load is a share of the workload's capacity under the fixed 50 ms / 32 point, and the SLO is end to "
            f"end, {' or '.join(f'{k:g}x' for k in meta['tightness'])} that point's P99 at half load ({cal}). Goodput: requests within the SLO per second of "
@@ -150,6 +173,10 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
            f"the most goodput on the others, judged on that seed: the mean; `dynamic` has one setting for all: window <= {max(WINDOWS_MS):g} "
            f"ms, cap <= {max(CAPS)}, the same SLO.", "",
            *table(rows, slo=True, p99="worst P99 E2E, best / adaptive (ms)", over="seeds")]
+    if meta.get("factors"):
+        out += ["", "The overdue factor k (`--overdue-factor`: a request held back as late goes first once it has "
+                "waited k times its target), the same runs: goodput over the best fixed point's (picked with "
+                "hindsight), and the worst P99 end to end over the seeds (ms).", "", *factor_table(rows)]
     return "\n".join(out)
 
 
@@ -293,6 +320,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--requests", type=int, default=1000, help="requests per regime and seed")
     ap.add_argument("--seeds", default="0,1,2,3,4,5,6,7,8,9", help="workload seeds, comma-separated")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="simulated cells run at a time")
+    ap.add_argument("--overdue-factors", default="", help="also run dynamic at these overdue factors, comma-separated")
     ap.add_argument("--tightness", default="2,1,0.5", help="SLOs as multiples of the calibrated P99, comma-separated")
     ap.add_argument("--live", action="store_true", help="instead: the live regimes on the real engine")
     ap.add_argument("--live-regimes", default=",".join(LIVE_REGIMES), help="live: regimes, comma-separated")
@@ -309,7 +337,7 @@ def main(argv: list[str] | None = None) -> None:
         text, heading = live_markdown(rows, meta), f"## {SECTION}, live"
     else:
         rows, meta = run(a.requests, [int(x) for x in a.seeds.split(",")], [float(x) for x in a.tightness.split(",")],
-                         max(1, a.jobs))
+                         max(1, a.jobs), [float(x) for x in a.overdue_factors.split(",") if x and float(x) != 2.0])
         text, heading = markdown(rows, meta), f"## {SECTION}"
     print(text)
     print(f"\n({meta['wall_s']:.0f} s)")
