@@ -145,11 +145,25 @@ def run(n: int, seeds: list[int], tightness: list[float], jobs: int = 1,
     return rows, meta
 
 
+def factor_flag(meta: dict[str, Any]) -> str:
+    """The command's --overdue-factors, where the run had them."""
+    return f" --overdue-factors {','.join(f'{k:g}' for k in meta['factors'])}" if meta.get("factors") else ""
+
+
+def factor_section(rows: list[dict[str, Any]], meta: dict[str, Any], p99: str) -> list[str]:
+    """With overdue factors in `meta`, their paragraph and table (none without)."""
+    if not meta.get("factors"):
+        return []
+    return ["", "The overdue factor k (`--overdue-factor`: a request held back as late goes first once it has "
+            f"waited k times its target), the same runs: goodput over the best fixed point's, and {p99} (ms).", "",
+            *factor_table(rows)]
+
+
 def factor_table(rows: list[dict[str, Any]]) -> list[str]:
     """Per regime and SLO, `dynamic` at each overdue factor: goodput over the best fixed
     point's, and its worst P99."""
     ks = sorted({2.0, *rows[0]["factors"]})
-    out = ["| regime | SLO (ms) | best fixed: goodput, worst P99 (ms) | " +
+    out = ["| regime | SLO (ms) | best fixed: goodput, P99 (ms) | " +
            " | ".join(f"k = {k:g}" + " (default)" * (k == 2.0) for k in ks) + " |", "|" + "---|" * (3 + len(ks))]
     for r in rows:
         at = {**r["factors"], 2.0: (r["adaptive_goodput"], r["adaptive_p99"])}
@@ -161,9 +175,8 @@ def factor_table(rows: list[dict[str, Any]]) -> list[str]:
 def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     day = datetime.date.today().isoformat()
     cal = "; ".join(f"{m}: {c:.1f} req/s, P99 {p:,.0f} ms" for m, (c, p) in meta["calibration"].items())
-    factors = f" --overdue-factors {','.join(f'{k:g}' for k in meta['factors'])}" if meta.get("factors") else ""
     out = [f"## {SECTION}", "",
-           f"Command: `python -m benchmarks.adaptive{factors}` ({day}; simulated: {GPU} roofline, {MODEL}, lengths at "
+           f"Command: `python -m benchmarks.adaptive{factor_flag(meta)}` ({day}; simulated: {GPU} roofline, {MODEL}, lengths at "
            f"scale {SCALE}; {meta['n']} requests per regime and seed, seeds {', '.join(map(str, meta['seeds']))}). "
            f"Load is a share of the workload's capacity under the fixed 50 ms / 32 point, and the SLO is end to "
            f"end, {' or '.join(f'{k:g}x' for k in meta['tightness'])} that point's P99 at half load ({cal}). Goodput: requests within the SLO per second of "
@@ -173,11 +186,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
            f"the most goodput on the others, judged on that seed: the mean; `dynamic` has one setting for all: window <= {max(WINDOWS_MS):g} "
            f"ms, cap <= {max(CAPS)}, the same SLO.", "",
            *table(rows, slo=True, p99="worst P99 E2E, best / adaptive (ms)", over="seeds")]
-    if meta.get("factors"):
-        out += ["", "The overdue factor k (`--overdue-factor`: a request held back as late goes first once it has "
-                "waited k times its target), the same runs: goodput over the best fixed point's (picked with "
-                "hindsight), and the worst P99 end to end over the seeds (ms).", "", *factor_table(rows)]
-    return "\n".join(out)
+    return "\n".join(out + factor_section(rows, meta, "the worst P99 end to end over the seeds"))
 
 
 def ratio(a: float, b: float, fmt: str = "{:.3f}x") -> str:
@@ -211,8 +220,8 @@ LIVE_GRID = [(w, c) for w in (0.0, 50.0) for c in (16, 32)]
 LIVE_REGIMES = ("day", "on/off bursts")
 
 
-def live(n: int, seed: int, tightness: list[float], rounds: int = 1,
-         regimes: Sequence[str] = LIVE_REGIMES) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def live(n: int, seed: int, tightness: list[float], rounds: int = 1, regimes: Sequence[str] = LIVE_REGIMES,
+         factors: Sequence[float] = ()) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The same comparison on this machine's real engine (the default model, wall clock), on a
     smaller grid: each regime's workload's capacity and P99 at half load calibrated live as in
     `calibrate`, then under an SLO of each `tightness` x that P99, each of `regimes` through every
@@ -244,6 +253,8 @@ def live(n: int, seed: int, tightness: list[float], rounds: int = 1,
     # run_one hands every configuration slo_ms as slo_p99_ms: dynamic's target, ignored by static
     configs["adaptive"] = dict(policy="dynamic", max_batch=max(c for _, c in LIVE_GRID),
                                window_max_ms=max(w for w, _ in LIVE_GRID))
+    for f in factors:
+        configs[("k", f)] = dict(configs["adaptive"], overdue_factor=f)
     keys = list(configs)
     # one cell per (SLO, regime): its SLO, its arrivals, and each configuration's (goodput, P99) runs
     cells = [(100.0 * round(t * calib[mix][1] / 100.0), name, regime_items(name, calib[mix][0], n, seed))
@@ -262,15 +273,17 @@ def live(n: int, seed: int, tightness: list[float], rounds: int = 1,
     for (slo_ms, name, items), cell in zip(cells, runs):
         score = {k: (statistics.median(g for g, _ in v), statistics.median(p for _, p in v)) for k, v in cell.items()}
         ad = score.pop("adaptive")
+        by_factor = {f: score.pop(("k", f)) for f in factors}
         best = max(score, key=lambda k: (score[k][0], -score[k][1]))
         rows.append({"regime": name, "rate": len(items) / max(items[-1].arrival, 1e-9), "slo_ms": slo_ms,
                      "best": best, "best_goodput": score[best][0], "best_p99": score[best][1],
                      "default": score[(50.0, 32)], "adaptive_goodput": ad[0], "adaptive_p99": ad[1],
                      # round by round, against the same point's run of that round: how far the noise reaches
                      "round_goodputs": [(a, b) for (a, _), (b, _) in zip(cell["adaptive"], cell[best])],
-                     "held_out": held_out({k: [g for g, _ in v] for k, v in cell.items() if k != "adaptive"})})
+                     "held_out": held_out({k: [g for g, _ in v] for k, v in cell.items() if k in score}),
+                     "factors": by_factor})
     return rows, {"calibration": calib, "regimes": list(regimes), "tightness": tightness, "n": n, "seed": seed,
-                  "rounds": rounds, "wall_s": time.perf_counter() - t0, "model": loaded.name}
+                  "rounds": rounds, "wall_s": time.perf_counter() - t0, "model": loaded.name, "factors": list(factors)}
 
 
 def held_out(goodputs: dict[Any, list[float]], avg: Callable[[list[float]], float] = statistics.median) -> float | None:
@@ -299,7 +312,7 @@ def live_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     calib = "; ".join(f"{mix} {cap:.2f} req/s, {p99:,.0f} ms" for mix, (cap, p99) in meta["calibration"].items())
     out = [f"## {SECTION}, live", "", f"The question above on this engine ({datetime.date.today().isoformat()}; {cpu}, {os.cpu_count()} cores, "
            f"{meta['model']}; command `python -m benchmarks.adaptive --live --live-requests {meta['n']} --tightness "
-           f"{','.join(f'{k:g}' for k in meta['tightness'])} --rounds {meta['rounds']}{regimes}`; "
+           f"{','.join(f'{k:g}' for k in meta['tightness'])} --rounds {meta['rounds']}{regimes}{factor_flag(meta)}`; "
            f"{meta['rounds']} run(s) per configuration and cell, the order rotating, medians; "
            f"{meta['n']} requests, seed {meta['seed']}): per workload, its capacity under 50 ms / 32 and its P99 at "
            f"half load ({calib}); the SLO is end to end, "
@@ -312,7 +325,7 @@ def live_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             "judged by its run in each round (median), as a setting searched offline would be." if meta["rounds"] > 1
             else "."), "",
            *table(rows, slo=True, p99="P99 E2E best / adaptive (ms)")]
-    return "\n".join(out)
+    return "\n".join(out + factor_section(rows, meta, "the median P99 end to end over the rounds"))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -328,16 +341,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=1, help="live: runs of every configuration per cell (medians)")
     ap.add_argument("--out", default=None, help="write the section into this Markdown file")
     a = ap.parse_args(argv)
+    factors = [float(x) for x in a.overdue_factors.split(",") if x and float(x) != 2.0]
     if a.live:
         regimes = a.live_regimes.split(",")
         if unknown := [r for r in regimes if r not in REGIMES]:
             ap.error(f"--live-regimes: unknown {', '.join(unknown)} (known: {', '.join(REGIMES)})")
         rows, meta = live(a.live_requests, int(a.seeds.split(",")[0]), [float(x) for x in a.tightness.split(",")],
-                          a.rounds, regimes)
+                          a.rounds, regimes, factors)
         text, heading = live_markdown(rows, meta), f"## {SECTION}, live"
     else:
         rows, meta = run(a.requests, [int(x) for x in a.seeds.split(",")], [float(x) for x in a.tightness.split(",")],
-                         max(1, a.jobs), [float(x) for x in a.overdue_factors.split(",") if x and float(x) != 2.0])
+                         max(1, a.jobs), factors)
         text, heading = markdown(rows, meta), f"## {SECTION}"
     print(text)
     print(f"\n({meta['wall_s']:.0f} s)")
