@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import multiprocessing
 import os
 import statistics
@@ -70,12 +69,12 @@ def calibrate(cost: Any, name: str, n: int, seed: int) -> tuple[float, float]:
 TRACE_DRAWS = {"burstgpt": lambda path, rng: burstgpt(path, 400, rng)}  # trace sample -> its generator
 
 
-@functools.lru_cache(maxsize=None)
-def trace_draw(mix: str, seed: int) -> str:
-    """The trace file seed `seed` replays for the trace sample `mix`: the sample generator's
-    draw for that seed, which for seed 0 is the sample in the package byte for byte. One
-    sample is one draw: three seeds over it would be one run three times."""
-    path = os.path.join(tempfile.mkdtemp(prefix="batchserve-trace-"), f"{mix}_{seed}.csv")
+def trace_draw(mix: str, seed: int, directory: str) -> str:
+    """The trace file, written in `directory`, that seed `seed` replays for the trace sample
+    `mix`: the sample generator's draw for that seed, which for seed 0 is the sample in the
+    package byte for byte. One sample is one draw: three seeds over it would be one run three
+    times."""
+    path = os.path.join(directory, f"{mix}_{seed}.csv")
     TRACE_DRAWS[mix](path, np.random.default_rng(seed))
     return path
 
@@ -83,7 +82,12 @@ def trace_draw(mix: str, seed: int) -> str:
 def regime_items(name: str, cap: float, n: int, seed: int) -> list[WorkItem]:
     mix, share, kw = REGIMES[name]
     if mix in TRACE_DRAWS and seed != 0:
-        mix = trace_draw(mix, seed)
+        with tempfile.TemporaryDirectory(prefix="batchserve-trace-") as d:
+            return _regime_items(trace_draw(mix, seed, d), share, kw, cap, n, seed)
+    return _regime_items(mix, share, kw, cap, n, seed)
+
+
+def _regime_items(mix: str, share: float, kw: dict[str, Any], cap: float, n: int, seed: int) -> list[WorkItem]:
     kw = dict(kw)
     if kw.get("arrival") == "step":
         kw["step_s"] = n / (share * cap) / 3

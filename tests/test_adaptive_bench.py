@@ -9,8 +9,8 @@ from batchserve.bench.traces import sample_path
 from benchmarks.adaptive import compare, held_out, regime_items, trace_draw
 
 
-def test_seed_zero_replays_the_packaged_sample_and_others_a_fresh_draw():
-    with open(trace_draw("burstgpt", 0), "rb") as a, open(sample_path("burstgpt"), "rb") as b:
+def test_seed_zero_replays_the_packaged_sample_and_others_a_fresh_draw(tmp_path):
+    with open(trace_draw("burstgpt", 0, str(tmp_path)), "rb") as a, open(sample_path("burstgpt"), "rb") as b:
         assert a.read() == b.read()
     zero, one = (regime_items("BurstGPT replay", 6.0, 1000, s) for s in (0, 1))
     assert 350 < len(one) <= 400 and 350 < len(zero) <= 400  # 400 rows, less those with no response
