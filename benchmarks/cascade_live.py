@@ -1,11 +1,14 @@
 """Cascading live on this CPU: one trace through `continuous`, `chunked`, `cascade` (prefill and
-decode steps taking turns in one process) and `cascade --cascade-workers` (the two stages in two
-worker processes, K/V handed across), all with the same seats.
+decode steps taking turns in one process), `cascade --cascade-workers` (the two stages in two
+worker processes, K/V handed across), and under Ray two replicas of one core each and a prefill
+worker beside a decode worker (K/V handed across through Ray's object store), all with the same
+seats.
 
     python -m benchmarks.cascade_live [--out BENCHMARKS.md] [--rounds 2]
 
 Each layout is `batchserve serve --policy P --max-num-seqs SEATS` (cascade: `--decode-max-batch
-SEATS` too, so that its decode stage has the seats the others have), started one at a time on
+SEATS` too, so that its decode stage has the seats the others have; two Ray replicas SEATS / 2
+each; the Ray decode worker SEATS), started one at a time on
 the same cores, the order rotating between rounds, and sent (after a 4-request warm-up) the
 workload of benchmarks.vs_vllm: the 64-request burst at t = 0, then a Poisson load at `--load`
 of the slowest layout's burst throughput (set after a first, burst-only round). Reported per
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import os
 import statistics
 import sys
@@ -31,20 +35,32 @@ from benchmarks.report_md import publish
 from benchmarks.servers import start_batchserve, started
 from benchmarks.vs_vllm import VOCAB, measure
 
-TITLE = "## Cascading live on one CPU: cascade and two cascade workers against continuous and chunked"
+TITLE = "## Cascading live on one CPU: cascade, cascade workers and Ray's layouts against continuous and chunked"
 LAYOUTS = {
     "continuous": ["--policy", "continuous"],
     "chunked": ["--policy", "chunked"],
     "cascade": ["--policy", "cascade"],
     "cascade-workers": ["--policy", "cascade", "--cascade-workers"],
+    "ray-replicas": ["--ray", "--replicas", "2", "--replica-cpus", "1"],
+    "ray-prefill-decode": ["--ray", "--prefill-workers", "1", "--decode-workers", "1", "--replica-cpus", "1"],
 }
+REPLICAS = {"ray-replicas": 2}  # layouts whose seats are split between replicas
+
+
+def layout_args(name: str, seats: int) -> list[str]:
+    """`serve`'s flags for layout `name` with `seats` running requests in all: each replica its
+    share, a cascade's decode stage all of them (a Ray decode worker has --max-num-seqs)."""
+    args = [*LAYOUTS[name], "--max-num-seqs", str(seats // REPLICAS.get(name, 1))]
+    return args + ["--decode-max-batch", str(seats)] * ("cascade" in args)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None, help="write the section into this Markdown file")
-    p.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated, from: " + ", ".join(LAYOUTS))
+    ray = importlib.util.find_spec("ray") is not None
+    p.add_argument("--layouts", default=",".join(n for n in LAYOUTS if ray or "--ray" not in LAYOUTS[n]),
+                   help="comma-separated, from: " + ", ".join(LAYOUTS) + " (Ray's where it is installed)")
     p.add_argument("--seats", type=int, default=64, help="--max-num-seqs of every layout")
     p.add_argument("--requests", type=int, default=64, help="burst: requests sent at t = 0")
     p.add_argument("--poisson-requests", type=int, default=64)
@@ -54,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
 
     names = a.layouts.split(",")
+    if unknown := [n for n in names if n not in LAYOUTS]:
+        p.error(f"--layouts: unknown {', '.join(unknown)} (known: {', '.join(LAYOUTS)})")
     burst = [WorkItem(0.0, len(ids), None, ids, m) for ids, m in offline_workload(a.requests, a.seed, VOCAB)]
     pwork = offline_workload(a.poisson_requests, a.seed + 1, VOCAB)
     mean_out = float(np.mean([m for _, m in pwork]))
@@ -66,10 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         pois = None if rate is None else [WorkItem(float(t / rate), len(ids), None, ids, m)
                                           for t, (ids, m) in zip(arrivals, pwork)]
         for name in names[r % len(names):] + names[:r % len(names)]:
-            args = [*LAYOUTS[name], "--max-num-seqs", str(a.seats)]
-            if "cascade" in args:
-                args += ["--decode-max-batch", str(a.seats)]
-            with started(start_batchserve(extra_args=args), 600.0) as s:
+            with started(start_batchserve(extra_args=layout_args(name, a.seats)), 600.0) as s:
                 run(burst[:4], ClientConfig(s.url, progress=False, extensions=False))
                 res = {"burst": measure(burst, s.url, s.proc.pid)}
                 if pois is not None:
