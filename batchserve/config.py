@@ -221,8 +221,8 @@ class SchedulerConfig:
     slo_ttft_ms: float | None = _flag(None, "dynamic: time-to-first-token target (unset: none)")
     slo_tpot_ms: float | None = _flag(None, "dynamic: time-per-output-token target (unset: none)")
     slo_p99_ms: float | None = _flag(None, "dynamic: end-to-end target (unset: none)")
-    overdue_factor: float = _flag(2.0, "dynamic: a request held back as late goes first once it has waited "
-                                       "this many times its target")
+    overdue_factor: float = _flag(2.0, "dynamic: times its target a late request waits before it goes first "
+                                       "(>= 1 advised)")
     bucket_by_length: bool = _flag(False, "dynamic: batch similar lengths together")
     prefill_max_batch: int = _flag(64, "cascade: prefill cap")
     decode_max_batch: int = _flag(16, "cascade: decode cap")

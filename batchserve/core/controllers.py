@@ -39,9 +39,10 @@ do not lengthen: they would miss anyway, and with them the on-time members would
 last token, and everyone queued behind for the batch's end. A rider ends within the on-time
 members' bound, so it costs them one more row a step; a request that has waited k times its
 target goes whatever it costs, so none waits without bound. A larger k holds the late back
-longer for the on-time ones: more requests in time, a longer tail. With no request on time,
-none late, no target set, or the targets out of the load's reach (below), this is the queue's
-order (the hopeless behind).
+longer for the on-time ones: more requests in time, a longer tail; below 1 a late request goes
+first before its target has passed, and the controller can fall below a fixed setting. With no
+request on time, none late, no target set, or the targets out of the load's reach (below), this
+is the queue's order (the hopeless behind).
 
 Size. The batch takes the first min(d, c) of them, where c is the size that serves the most
 requests within their targets per second of engine time, among the sizes the targets allow (up
