@@ -36,6 +36,19 @@ def test_a_backend_runs_the_scenario_the_simulator_runs(name: str) -> None:
     assert SIM.seed_hardware and again.label == "sim"
 
 
+def test_the_cascade_runs_with_continuous_s_seats() -> None:
+    cost = RooflineCost(GPU, MODEL)
+    seen: dict[str, EngineConfig] = {}
+
+    def run(config, items, slo_ms=None):
+        seen[config.scheduler.policy] = config
+        return simulate(config, cost, items, slo_ms)
+
+    scenario_result("static-vs-continuous", None, 0, Backend("mine", run=run, size=0.02))
+    # a cascade with fewer decode seats than continuous has loses throughput to the cap, not to cascading
+    assert seen["cascade"].scheduler.decode_max_batch == seen["continuous"].scheduler.max_num_seqs
+
+
 def test_a_backend_scales_lengths_and_loads_follow_its_capacity() -> None:
     cost = RooflineCost(GPU, MODEL)
     seen: dict[float, list] = {}
