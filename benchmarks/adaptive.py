@@ -18,6 +18,7 @@ trace itself (seed 0: the sample in the package, seed s: the sample generator's 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import multiprocessing
 import os
@@ -29,6 +30,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from batchserve.bench.metrics import SLO
+from batchserve.config import SchedulerConfig
 from batchserve.bench.workload import WorkItem, make_workload
 from batchserve.scenarios.common import GPU, MODEL, SATURATION_RATE, engine, rate_of
 from batchserve.sim.cost import RooflineCost
@@ -40,6 +42,7 @@ WINDOWS_MS = (0.0, 10.0, 25.0, 50.0, 100.0, 200.0)
 CAPS = (4, 8, 16, 32, 64, 128)
 SCALE = 0.25  # chat mix lengths (prompt ~50 / output ~50 tokens), as the seed's adaptive-window case
 SECTION = "Adaptive batching against every fixed setting"
+DEFAULT_K = SchedulerConfig.overdue_factor  # `dynamic` without a factor runs at this one
 
 
 REGIMES = {  # name -> (workload, share of its capacity, arrival process and its parameters)
@@ -106,10 +109,11 @@ def compare(name: str, cap: float, slo_ms: float, n: int, seeds: list[int],
     cost = RooflineCost(GPU, MODEL)
     slo = SLO(e2e_ms=slo_ms)
     configs = {(w, c): engine("static", window_ms=w, max_batch=c) for w in WINDOWS_MS for c in CAPS}
-    configs["adaptive"] = engine("dynamic", max_batch=max(CAPS), window_max_ms=max(WINDOWS_MS), slo_p99_ms=slo_ms)
+    configs["adaptive"] = dynamic = engine("dynamic", max_batch=max(CAPS), window_max_ms=max(WINDOWS_MS),
+                                           slo_p99_ms=slo_ms)
     for f in factors:
-        configs[("k", f)] = engine("dynamic", max_batch=max(CAPS), window_max_ms=max(WINDOWS_MS), slo_p99_ms=slo_ms,
-                                   overdue_factor=f)
+        configs[("k", f)] = dataclasses.replace(
+            dynamic, scheduler=dataclasses.replace(dynamic.scheduler, overdue_factor=f))
     good: dict[Any, list[float]] = {k: [] for k in configs}
     p99 = dict.fromkeys(configs, 0.0)
     offered = 0.0
@@ -166,11 +170,11 @@ def factor_section(rows: list[dict[str, Any]], meta: dict[str, Any], p99: str) -
 def factor_table(rows: list[dict[str, Any]]) -> list[str]:
     """Per regime and SLO, `dynamic` at each overdue factor: goodput over the best fixed
     point's, and its worst P99."""
-    ks = sorted({2.0, *rows[0]["factors"]})
+    ks = sorted({DEFAULT_K, *rows[0]["factors"]})
     out = ["| regime | SLO (ms) | best fixed: goodput, P99 (ms) | " +
-           " | ".join(f"k = {k:g}" + " (default)" * (k == 2.0) for k in ks) + " |", "|" + "---|" * (3 + len(ks))]
+           " | ".join(f"k = {k:g}" + " (default)" * (k == DEFAULT_K) for k in ks) + " |", "|" + "---|" * (3 + len(ks))]
     for r in rows:
-        at = {**r["factors"], 2.0: (r["adaptive_goodput"], r["adaptive_p99"])}
+        at = {**r["factors"], DEFAULT_K: (r["adaptive_goodput"], r["adaptive_p99"])}
         out.append(f"| {r['regime']} | {r['slo_ms']:,.0f} | {r['best_goodput']:.2f}, {r['best_p99']:,.0f} | " +
                    " | ".join(f"{ratio(at[k][0], r['best_goodput'])}, {at[k][1]:,.0f}" for k in ks) + " |")
     return out
@@ -345,7 +349,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=1, help="live: runs of every configuration per cell (medians)")
     ap.add_argument("--out", default=None, help="write the section into this Markdown file")
     a = ap.parse_args(argv)
-    factors = [float(x) for x in a.overdue_factors.split(",") if x and float(x) != 2.0]
+    factors = [float(x) for x in a.overdue_factors.split(",") if x and float(x) != DEFAULT_K]
     if a.live:
         regimes = a.live_regimes.split(",")
         if unknown := [r for r in regimes if r not in REGIMES]:

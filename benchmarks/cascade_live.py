@@ -44,14 +44,17 @@ LAYOUTS = {
     "ray-replicas": ["--ray", "--replicas", "2", "--replica-cpus", "1"],
     "ray-prefill-decode": ["--ray", "--prefill-workers", "1", "--decode-workers", "1", "--replica-cpus", "1"],
 }
-REPLICAS = {"ray-replicas": 2}  # layouts whose seats are split between replicas
 
 
 def layout_args(name: str, seats: int) -> list[str]:
     """`serve`'s flags for layout `name` with `seats` running requests in all: each replica its
     share, a cascade's decode stage all of them (a Ray decode worker has --max-num-seqs)."""
-    args = [*LAYOUTS[name], "--max-num-seqs", str(seats // REPLICAS.get(name, 1))]
-    return args + ["--decode-max-batch", str(seats)] * ("cascade" in args)
+    args = LAYOUTS[name]
+    replicas = int(args[args.index("--replicas") + 1]) if "--replicas" in args else 1
+    args = [*args, "--max-num-seqs", str(seats // replicas)]
+    if "cascade" in args:
+        args += ["--decode-max-batch", str(seats)]
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
