@@ -1,6 +1,7 @@
 """Steps with prompt tokens against their profile: live, and the same batches replayed.
 
     python -m benchmarks.prompt_steps [--profile prof.json] [--requests 120] [--scale 0.5] [--share 0.5]
+    python -m benchmarks.prompt_steps --mix-shares 0.3,0.5,0.7,0.5,0.7,0.3   # composition only
 
 The fidelity benchmark's warm-up measures how fast the runner runs against the profile, apart
 for decode-only steps and steps with prompt tokens. This takes the second apart. One live run
@@ -11,12 +12,20 @@ the live idle gaps slept; with them busy-waited; and each prompt batch once warm
 the profiler times it. Last, a second live run after every page of the KV cache has been written
 once (first-touch page faults out of the steps). Each line: measured / predicted, summed over
 the steps with prompt tokens, and over the decode-only ones.
+
+`--mix-shares` asks instead whether a prompt step's ratio follows its composition: one live run
+per share, each step with prompt tokens set against the machine's speed at that moment (`mix`:
+measured / predicted over the decode-only steps within `MIX_WINDOW_S` of it), which takes out
+the drift that moves every kind of step together, then summed by how many prompts share the
+step, how many decodes ride on it and how many prompt tokens it computes; per run and pooled.
 """
 from __future__ import annotations
 
 import argparse
+import bisect
 import copy
 import dataclasses
+import math
 import time
 from typing import Any, Callable
 
@@ -25,7 +34,7 @@ import torch
 from batchserve.bench.workload import make_workload
 from batchserve.config import CacheConfig, EngineConfig
 from batchserve.runner.profiler import run_profile, save, time_step
-from batchserve.sim.cost import ProfiledCost, has_prompt
+from batchserve.sim.cost import ProfiledCost, has_prompt, step_rows
 from batchserve.sim.runner import simulate
 from benchmarks.fidelity import TimedExecutor, live_run
 
@@ -57,6 +66,49 @@ def ratios(log: list, times: list[float]) -> tuple[float, float]:
     return out[0], out[1]
 
 
+MIX_WINDOW_S = 1.0  # `mix`: the machine's speed at a step, from the decode-only steps this close to it
+MIX_BUCKETS = {"prompts": [(1, 1), (2, math.inf)], "decodes": [(0, 0), (1, 3), (4, 7), (8, 15), (16, math.inf)],
+               "prompt tokens": [(1, 64), (65, 128), (129, 256), (257, math.inf)]}
+
+
+def mix(runs: list[list[tuple[float, int, int, int, float, float]]], window: float = MIX_WINDOW_S) -> dict[str, list]:
+    """Steps with prompt tokens against the local speed, by composition. Each run: its steps
+    in order as (start s, prompts, prompt tokens, decodes, measured s, predicted s). A step's
+    local speed is measured / predicted summed over its own run's decode-only steps within
+    `window` of its start (at least 5, else the step is left out). Returns, per `MIX_BUCKETS`
+    key, (lo, hi, steps, sum measured / sum of local speed x predicted) for each bucket with
+    steps."""
+    rows = []
+    for steps in runs:
+        dec = [s for s in steps if s[2] == 0]
+        starts = [s[0] for s in dec]
+        for t, prompts, toks, decodes, meas, pred in steps:
+            near = dec[bisect.bisect_left(starts, t - window):bisect.bisect_right(starts, t + window)]
+            if toks and len(near) >= 5:
+                rows.append((prompts, decodes, toks, meas, pred * sum(s[4] for s in near) / sum(s[5] for s in near)))
+    out: dict[str, list] = {}
+    for col, (key, buckets) in enumerate(MIX_BUCKETS.items()):
+        sels = [(lo, hi, [r for r in rows if lo <= r[col] <= hi]) for lo, hi in buckets]
+        out[key] = [(lo, hi, len(sel), sum(r[3] for r in sel) / sum(r[4] for r in sel)) for lo, hi, sel in sels if sel]
+    return out
+
+
+def format_mix(name: str, m: dict[str, list]) -> str:
+    def b(lo: float, hi: float) -> str:
+        return f"{lo}" if lo == hi else f"{lo}+" if hi == math.inf else f"{lo}-{hi}"
+    return f"  {name}: " + "; ".join(f"{k} " + " ".join(f"{b(lo, hi)}: {r:.3f} ({n})" for lo, hi, n, r in v)
+                                      for k, v in m.items())
+
+
+def mix_steps(logged: "LoggedExecutor") -> list[tuple[float, int, int, int, float, float]]:
+    """The logged run as `mix` reads it."""
+    out = []
+    for (start, secs, pred, _), entry in zip(logged.steps, logged.log):
+        prefills, decode_ctx = step_rows(entry[0])
+        out.append((start, len(prefills), sum(n for _, n in prefills), len(decode_ctx), secs, pred))
+    return out
+
+
 def replay(runner: Any, log: list, gap: Callable[[float], None] | None) -> list[float]:
     """The logged batches in order, `gap` spending each step's idle time before it (None: none)."""
     ts = []
@@ -81,6 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--requests", type=int, default=120, help="requests per live run")
     ap.add_argument("--scale", type=float, default=0.5, help="the chat workload's length scale")
     ap.add_argument("--share", type=float, default=0.5, help="arrival rate as a share of the simulated capacity")
+    ap.add_argument("--mix-shares", default=None, help="instead: one live run per share, prompt steps by composition")
     a = ap.parse_args(argv)
     from batchserve.engine.engine import LLMEngine
 
@@ -95,8 +148,20 @@ def main(argv: list[str] | None = None) -> None:
     def items(rate: float, seed: int) -> list:
         return make_workload("chat", a.requests, rate, seed=seed, scale=a.scale)
 
-    rate = a.share * simulate(cfg, logged.cost, items(1e4, 0)).summary["throughput_rps"]
+    sat = simulate(cfg, logged.cost, items(1e4, 0)).summary["throughput_rps"]
+    rate = a.share * sat
     live_run(engine, items(rate, 100))  # warm-up
+    if a.mix_shares:
+        print("steps with prompt tokens, measured / (profile x the decode-only steps' speed within "
+              f"{MIX_WINDOW_S:g} s), by composition (steps in brackets):")
+        runs = []
+        for share in [float(x) for x in a.mix_shares.split(",")]:
+            logged.reset()
+            live_run(engine, items(share * sat, 0))
+            runs.append(mix_steps(logged))
+            print(format_mix(f"{share:g} of capacity ({share * sat:.2f} req/s)", mix(runs[-1:])), flush=True)
+        print(format_mix("pooled", mix(runs)))
+        return
     logged.reset()
     live_run(engine, items(rate, 0))
     log = list(logged.log)
