@@ -69,15 +69,15 @@ def ratios(log: list, times: list[float]) -> tuple[float, float]:
 MIX_WINDOW_S = 1.0  # `mix`: the machine's speed at a step, from the decode-only steps this close to it
 MIX_BUCKETS = {"prompts": [(1, 1), (2, math.inf)], "decodes": [(0, 0), (1, 3), (4, 7), (8, 15), (16, math.inf)],
                "prompt tokens": [(1, 64), (65, 128), (129, 256), (257, math.inf)]}
+MixStep = tuple[float, int, int, int, float, float]  # (start s, prompts, prompt tokens, decodes, measured s, predicted s)
 
 
-def mix(runs: list[list[tuple[float, int, int, int, float, float]]], window: float = MIX_WINDOW_S) -> dict[str, list]:
+def mix(runs: list[list[MixStep]], window: float = MIX_WINDOW_S) -> dict[str, list]:
     """Steps with prompt tokens against the local speed, by composition. Each run: its steps
-    in order as (start s, prompts, prompt tokens, decodes, measured s, predicted s). A step's
-    local speed is measured / predicted summed over its own run's decode-only steps within
-    `window` of its start (at least 5, else the step is left out). Returns, per `MIX_BUCKETS`
-    key, (lo, hi, steps, sum measured / sum of local speed x predicted) for each bucket with
-    steps."""
+    in order (`MixStep`). A step's local speed is measured / predicted summed over its own
+    run's decode-only steps within `window` of its start (at least 5, else the step is left
+    out). Returns, per `MIX_BUCKETS` key, (lo, hi, steps, sum measured / sum of local speed x
+    predicted) for each bucket with steps."""
     rows = []
     for steps in runs:
         dec = [s for s in steps if s[2] == 0]
@@ -100,7 +100,7 @@ def format_mix(name: str, m: dict[str, list]) -> str:
                                       for k, v in m.items())
 
 
-def mix_steps(logged: "LoggedExecutor") -> list[tuple[float, int, int, int, float, float]]:
+def mix_steps(logged: "LoggedExecutor") -> list[MixStep]:
     """The logged run as `mix` reads it."""
     out = []
     for (start, secs, pred, _), entry in zip(logged.steps, logged.log):
