@@ -9,7 +9,9 @@
    while the live engine also schedules, updates and detokenizes every step, so the mean
    of (engine step - runner time) is added to each predicted step; and measured / profiled
    runner time, summed over the steps, scales the profile, should the machine run slower or
-   faster now than when it was profiled (~1.0 on a quiet machine).
+   faster now than when it was profiled (~1.0 on a quiet machine). With `--warmup each`, also
+   a warm-up at each rate just before its run, which prices that run; a third table then
+   sets both protocols' predictions against the same live runs.
 3. Rates: `--rates`, or 30% / 50% / 70% of the simulated saturation throughput.
 4. Per rate, the same workload twice: live (this process, wall clock; requests are added to
    the engine between steps at their arrival times, as the server's engine thread adds them;
@@ -45,6 +47,7 @@ from batchserve.sim.simulator import Simulator, prompt_ids
 from benchmarks.report_md import write_section
 
 TOLERANCE = {"throughput_rps": 0.05, "e2e_p50_ms": 0.05, "e2e_p99_ms": 0.10}
+WARMUPS = ("once", "each")  # calibrated on one warm-up at the middle rate; or also on one per rate
 REPLAY_WINDOW_S = 2.0  # the machine's speed replayed per window this long (see `speed_curve`)
 
 
@@ -214,14 +217,20 @@ def replayed(config: EngineConfig, own: ProfiledCost, timed: TimedExecutor, item
 
 
 def run_fidelity(config: EngineConfig, profile: str, n: int, rates: list[float] | None = None, seed: int = 0,
-                 workload: str = "chat", scale: float | None = None, same_run: bool = False) -> list[dict[str, Any]]:
+                 workload: str = "chat", scale: float | None = None, same_run: bool = False,
+                 warmup: str = "once") -> list[dict[str, Any]]:
     """Live vs simulated at each rate; one row per rate with both sides' numbers and the
     relative errors. The engine (model load) is built once and reused between rates.
-    Calibration comes from a warm-up run; with `same_run`, from each rate's own live run
-    instead, which takes a machine whose speed drifts (a shared CI box) out of the
-    comparison and leaves the scheduling and queueing to be checked. Every row also has the
-    prediction at the run's own mean speed (`own`), with its speed replayed (`replayed`) and
-    the replay's flat-model control (`flat`)."""
+    Calibration comes from a warm-up run at the middle rate (`warmup="once"`), or also from
+    one at each rate just before its run, on another seed (`"each"`: the prediction `sim` is
+    then that one's, and `ahead` holds both, so one run compares the two protocols on the
+    same live runs); with `same_run`, from each rate's own live run instead, which takes a
+    machine whose speed drifts (a shared CI box) out of the comparison and leaves the
+    scheduling and queueing to be checked. Every row also has the prediction at the run's
+    own mean speed (`own`), with its speed replayed (`replayed`) and the replay's flat-model
+    control (`flat`)."""
+    if warmup not in WARMUPS:
+        raise ValueError(f"warmup: {warmup!r} is not one of {', '.join(WARMUPS)}")
     from batchserve.engine.engine import LLMEngine
 
     live = LLMEngine.from_config(config)
@@ -239,19 +248,25 @@ def run_fidelity(config: EngineConfig, profile: str, n: int, rates: list[float] 
     if not rates:
         sat = simulate(config, cost, items(1e4, seed)).summary["throughput_rps"]
         rates = [round(f * sat, 3) for f in (0.3, 0.5, 0.7)]
-    rows = []
-    for rate in rates:
+    once, rows = cost, []
+    for i, rate in enumerate(rates):
         wl = items(rate, seed)
+        ahead = {"once": once}
+        if warmup == "each":
+            timed.reset()
+            _, over = live_run(live, items(rate, seed + 101 + i))
+            cost = ahead["each"] = calibrated(profile, timed, over)
         timed.reset()
         recs, over = live_run(live, wl)
         own = calibrated(profile, timed, over)
         if same_run:
             cost = own
         got = _numbers(summarize(recs, span_s(recs)))
-        want = _numbers(simulate(config, cost, wl).summary)
+        pred = {k: _numbers(simulate(config, c, wl).summary) for k, c in ahead.items()}
+        want = pred[warmup] if not same_run else _numbers(simulate(config, cost, wl).summary)
         err = {k: abs(want[k] - got[k]) / got[k] for k in got}
         at_own = want if same_run else _numbers(simulate(config, own, wl).summary)
-        rows.append({"rate": rate, "live": got, "sim": want, "rel_error": err,
+        rows.append({"rate": rate, "live": got, "sim": want, "rel_error": err, "ahead": pred,
                      "within": {k: err[k] <= TOLERANCE[k] for k in err}, "overhead_ms": 1e3 * cost.overhead_s,
                      "runner_scale": cost.scale, "prompt_scale": cost.prompt_scale,
                      "own": {"runner_scale": own.scale, "prompt_scale": own.prompt_scale, "sim": at_own},
@@ -288,6 +303,23 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
                    f"{o['runner_scale']:.2f} / {o['prompt_scale']:.2f}; {rp['speed_min']:.2f}–{rp['speed_max']:.2f}x "
                    f"| {cell('e2e_p50_ms')} | "
                    f"{cell('e2e_p99_ms')} | {ok(rp)}; {ok(fl)} |")
+    if all("each" in r.get("ahead", {}) for r in rows):
+        out += ["", "Predicted ahead by the two warm-up protocols, on the same live runs: calibrated once, on a warm-up"
+                " before all the runs (at the middle rate), or on a warm-up at each run's rate just before it"
+                " (another seed).", "",
+                "| rate | E2E P50 error: once / each | E2E P99 error: once / each | req/s error: once / each "
+                f"| within {within}%: once; each |", "|---|---|---|---|---|"]
+        for r in rows:
+            lv, a = r["live"], r["ahead"]
+
+            def err(k: str) -> str:
+                return " / ".join(f"{100 * (a[w][k] - lv[k]) / lv[k]:+.1f}%" for w in WARMUPS)
+
+            def hit(w: str) -> str:
+                return " ".join("yes" if abs(a[w][k] - lv[k]) <= TOLERANCE[k] * lv[k] else "NO" for k in TOLERANCE)
+
+            out.append(f"| {r['rate']:g} | {err('e2e_p50_ms')} | {err('e2e_p99_ms')} | {err('throughput_rps')} "
+                       f"| {hit('once')}; {hit('each')} |")
     return "\n".join(out)
 
 
@@ -301,6 +333,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--scale", type=float, default=None)
     ap.add_argument("--kv-cache-gb", type=float, default=1.0)
     ap.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
+    ap.add_argument("--warmup", choices=WARMUPS, default="once",
+                    help="calibrate on one warm-up at the middle rate, or also on one at each rate")
     ap.add_argument("--out", default=None, help="markdown file to add the table to (e.g. BENCHMARKS.md)")
     a = ap.parse_args(argv)
     cfg = EngineConfig(model=ModelConfig(model=a.model), cache=CacheConfig(kv_cache_gb=a.kv_cache_gb),
@@ -310,10 +344,11 @@ def main(argv: list[str] | None = None) -> None:
         path = "fidelity_profile.json"
         save(run_profile(dataclasses.replace(cfg)), path)
     rates = [float(x) for x in a.rates.split(",")] if a.rates else None
-    rows = run_fidelity(cfg, path, a.requests, rates, workload=a.workload, scale=a.scale)
+    rows = run_fidelity(cfg, path, a.requests, rates, workload=a.workload, scale=a.scale, warmup=a.warmup)
     table = format_rows(rows)
+    which = "the first rate's own warm-up run" if a.warmup == "each" else "a warm-up run"
     text = (f"## Simulator fidelity\n\nCommand: `python -m benchmarks.fidelity` — {a.model}, {a.workload} "
-            f"workload, {a.requests} requests per rate, profile `{path}`; from a warm-up run: host overhead "
+            f"workload, {a.requests} requests per rate, profile `{path}`; from {which}: host overhead "
             f"{rows[0]['overhead_ms']:.2f} ms/step, runner {rows[0]['runner_scale']:.2f}x the profile on decode-only "
             f"steps, {rows[0]['prompt_scale']:.2f}x on steps with prompt tokens."
             f"\n\n{table}\n")

@@ -128,3 +128,10 @@ def test_the_live_best_fixed_point_is_also_judged_on_rounds_it_was_not_picked_on
     simulated = {k: v for k, v in row.items() if k not in ("round_goodputs", "held_out")}
     head, _, line = table([simulated], slo=True, p99="P99")
     assert "picked on the other rounds" not in head and "| 0.933x | 1,500 / 2,000 | 8.00 |" in line
+
+
+def test_fidelity_names_an_unknown_warmup_protocol() -> None:
+    from benchmarks.fidelity import run_fidelity
+
+    with pytest.raises(ValueError, match="warmup: 'twice' is not one of once, each"):
+        run_fidelity(None, "no-profile.json", 10, [1.0], warmup="twice")

@@ -93,6 +93,19 @@ def test_scenario_names_a_missing_policy(monkeypatch, capsys) -> None:
     assert "needs the cascade policy" in capsys.readouterr().err
 
 
+def _tiny_profiled(tmp_path) -> tuple[EngineConfig, str]:
+    """A tiny random model's engine config and the path of its quick profile."""
+    from batchserve.runner.profiler import run_profile, save
+
+    model = {"vocab_size": 512, "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024}
+    cfg = EngineConfig(model=ModelConfig(model="dummy", dummy_config=model, num_threads=1),
+                       cache=CacheConfig(kv_cache_gb=0.02), scheduler=SchedulerConfig(max_num_seqs=16))
+    path = str(tmp_path / "profile.json")
+    save(run_profile(cfg, quick=True), path)
+    return cfg, path
+
+
 @pytest.mark.kernel
 def test_fidelity_on_a_tiny_model(tmp_path) -> None:
     """The CI-sized version of `python -m benchmarks.fidelity`: a tiny random model is
@@ -101,15 +114,9 @@ def test_fidelity_on_a_tiny_model(tmp_path) -> None:
     within 10%; P50 latency only within a factor of two, because a ~1 ms model step on a
     shared box is at the mercy of the OS scheduler (the full-size run on a quiet machine
     holds 5% / 5% / 10%)."""
-    from batchserve.runner.profiler import run_profile, save
     from benchmarks.fidelity import format_rows, run_fidelity
 
-    model = {"vocab_size": 512, "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 2,
-             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024}
-    cfg = EngineConfig(model=ModelConfig(model="dummy", dummy_config=model, num_threads=1),
-                       cache=CacheConfig(kv_cache_gb=0.02), scheduler=SchedulerConfig(max_num_seqs=16))
-    path = str(tmp_path / "profile.json")
-    save(run_profile(cfg, quick=True), path)
+    cfg, path = _tiny_profiled(tmp_path)
     rows = run_fidelity(cfg, path, 30, [10.0, 25.0], seed=2, scale=0.1, same_run=True)
     assert "speed replayed" in format_rows(rows)
     for r in rows:
@@ -117,6 +124,22 @@ def test_fidelity_on_a_tiny_model(tmp_path) -> None:
         assert r["rel_error"]["throughput_rps"] <= 0.10, r
         ratio = r["sim"]["e2e_p50_ms"] / r["live"]["e2e_p50_ms"]
         assert 0.5 <= ratio <= 2.0, r
+
+
+@pytest.mark.kernel
+def test_fidelity_warmup_at_each_rate(tmp_path) -> None:
+    """`--warmup each`: every rate gets its own warm-up just before its run, which prices it,
+    and the row keeps the one-warm-up prediction beside it, both on the same live run."""
+    from benchmarks.fidelity import format_rows, run_fidelity
+
+    cfg, path = _tiny_profiled(tmp_path)
+    rows = run_fidelity(cfg, path, 20, [10.0, 25.0], seed=3, scale=0.1, warmup="each")
+    assert "Predicted ahead by the two warm-up protocols" in format_rows(rows)
+    for r in rows:
+        assert set(r["ahead"]) == {"once", "each"} and r["sim"] == r["ahead"]["each"], r
+        ratio = r["ahead"]["each"]["throughput_rps"] / r["live"]["throughput_rps"]
+        assert 0.8 <= ratio <= 1.25, r
+    assert rows[0]["ahead"]["once"] != rows[0]["ahead"]["each"]  # two calibrations, two predictions
 
 
 def test_simulate_says_padding_is_only_accounted(capsys) -> None:
