@@ -9,9 +9,10 @@
    while the live engine also schedules, updates and detokenizes every step, so the mean
    of (engine step - runner time) is added to each predicted step; and measured / profiled
    runner time, summed over the steps, scales the profile, should the machine run slower or
-   faster now than when it was profiled (~1.0 on a quiet machine). With `--warmup each`, also
-   a warm-up at each rate just before its run, which prices that run; a third table then
-   sets both protocols' predictions against the same live runs.
+   faster now than when it was profiled (~1.0 on a quiet machine). By default (`--warmup
+   each`) also a warm-up at each rate just before its run, which prices that run; a third
+   table sets both protocols' predictions against the same live runs (`--warmup once`: the
+   first warm-up prices them all).
 3. Rates: `--rates`, or 30% / 50% / 70% of the simulated saturation throughput.
 4. Per rate, the same workload twice: live (this process, wall clock; requests are added to
    the engine between steps at their arrival times, as the server's engine thread adds them;
@@ -218,13 +219,14 @@ def replayed(config: EngineConfig, own: ProfiledCost, timed: TimedExecutor, item
 
 def run_fidelity(config: EngineConfig, profile: str, n: int, rates: list[float] | None = None, seed: int = 0,
                  workload: str = "chat", scale: float | None = None, same_run: bool = False,
-                 warmup: str = "once") -> list[dict[str, Any]]:
+                 warmup: str = "each") -> list[dict[str, Any]]:
     """Live vs simulated at each rate; one row per rate with both sides' numbers and the
     relative errors. The engine (model load) is built once and reused between rates.
     Calibration comes from a warm-up run at the middle rate (`warmup="once"`), or also from
-    one at each rate just before its run, on another seed (`"each"`: the prediction `sim` is
-    then that one's, and `ahead` holds both, so one run compares the two protocols on the
-    same live runs); with `same_run`, from each rate's own live run instead, which takes a
+    one at each rate just before its run, on another seed (`"each"`, the default: the
+    prediction `sim` is then that one's, and `ahead` holds both, so one run compares the two
+    protocols on the same live runs; a warm-up nearer in time and load prices the run
+    better on a machine whose speed drifts); with `same_run`, from each rate's own live run instead, which takes a
     machine whose speed drifts (a shared CI box) out of the comparison and leaves the
     scheduling and queueing to be checked. Every row also has the prediction at the run's
     own mean speed (`own`), with its speed replayed (`replayed`) and the replay's flat-model
@@ -333,8 +335,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--scale", type=float, default=None)
     ap.add_argument("--kv-cache-gb", type=float, default=1.0)
     ap.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
-    ap.add_argument("--warmup", choices=WARMUPS, default="once",
-                    help="calibrate on one warm-up at the middle rate, or also on one at each rate")
+    ap.add_argument("--warmup", choices=WARMUPS, default="each",
+                    help="calibrate on one warm-up at the middle rate, or also on one at each rate (default)")
     ap.add_argument("--out", default=None, help="markdown file to add the table to (e.g. BENCHMARKS.md)")
     a = ap.parse_args(argv)
     cfg = EngineConfig(model=ModelConfig(model=a.model), cache=CacheConfig(kv_cache_gb=a.kv_cache_gb),

@@ -117,7 +117,7 @@ def test_fidelity_on_a_tiny_model(tmp_path) -> None:
     from benchmarks.fidelity import format_rows, run_fidelity
 
     cfg, path = _tiny_profiled(tmp_path)
-    rows = run_fidelity(cfg, path, 30, [10.0, 25.0], seed=2, scale=0.1, same_run=True)
+    rows = run_fidelity(cfg, path, 30, [10.0, 25.0], seed=2, scale=0.1, same_run=True, warmup="once")
     assert "speed replayed" in format_rows(rows)
     for r in rows:
         assert r["own"]["sim"] == r["sim"], r  # calibrated on the run itself, both predictions are one
@@ -133,7 +133,7 @@ def test_fidelity_warmup_at_each_rate(tmp_path) -> None:
     from benchmarks.fidelity import format_rows, run_fidelity
 
     cfg, path = _tiny_profiled(tmp_path)
-    rows = run_fidelity(cfg, path, 20, [10.0, 25.0], seed=3, scale=0.1, warmup="each")
+    rows = run_fidelity(cfg, path, 20, [10.0, 25.0], seed=3, scale=0.1)  # warmup="each", the default
     assert "Predicted ahead by the two warm-up protocols" in format_rows(rows)
     for r in rows:
         assert set(r["ahead"]) == {"once", "each"} and r["sim"] == r["ahead"]["each"], r
