@@ -48,7 +48,7 @@ from batchserve.sim.simulator import Simulator, prompt_ids
 from benchmarks.report_md import write_section
 
 TOLERANCE = {"throughput_rps": 0.05, "e2e_p50_ms": 0.05, "e2e_p99_ms": 0.10}
-WARMUPS = ("once", "each")  # calibrated on one warm-up at the middle rate; or also on one per rate
+WARMUPS = ("once", "each")  # calibrated on one warm-up at a middle load; or also on one per rate
 REPLAY_WINDOW_S = 2.0  # the machine's speed replayed per window this long (see `speed_curve`)
 
 
@@ -222,15 +222,15 @@ def run_fidelity(config: EngineConfig, profile: str, n: int, rates: list[float] 
                  warmup: str = "each") -> list[dict[str, Any]]:
     """Live vs simulated at each rate; one row per rate with both sides' numbers and the
     relative errors. The engine (model load) is built once and reused between rates.
-    Calibration comes from a warm-up run at the middle rate (`warmup="once"`), or also from
+    Calibration comes from a warm-up run at a middle load (`warmup="once"`), or also from
     one at each rate just before its run, on another seed (`"each"`, the default: the
     prediction `sim` is then that one's, and `ahead` holds both, so one run compares the two
     protocols on the same live runs; a warm-up nearer in time and load prices the run
-    better on a machine whose speed drifts); with `same_run`, from each rate's own live run instead, which takes a
-    machine whose speed drifts (a shared CI box) out of the comparison and leaves the
-    scheduling and queueing to be checked. Every row also has the prediction at the run's
-    own mean speed (`own`), with its speed replayed (`replayed`) and the replay's flat-model
-    control (`flat`)."""
+    better on a machine whose speed drifts); with `same_run`, from each rate's own live run
+    instead (no per-rate warm-up), which takes a machine whose speed drifts (a shared CI
+    box) out of the comparison and leaves the scheduling and queueing to be checked. Every
+    row also has the prediction at the run's own mean speed (`own`), with its speed replayed
+    (`replayed`) and the replay's flat-model control (`flat`)."""
     if warmup not in WARMUPS:
         raise ValueError(f"warmup: {warmup!r} is not one of {', '.join(WARMUPS)}")
     from batchserve.engine.engine import LLMEngine
@@ -254,7 +254,7 @@ def run_fidelity(config: EngineConfig, profile: str, n: int, rates: list[float] 
     for i, rate in enumerate(rates):
         wl = items(rate, seed)
         ahead = {"once": once}
-        if warmup == "each":
+        if warmup == "each" and not same_run:
             timed.reset()
             _, over = live_run(live, items(rate, seed + 101 + i))
             cost = ahead["each"] = calibrated(profile, timed, over)
@@ -307,7 +307,7 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
                    f"{cell('e2e_p99_ms')} | {ok(rp)}; {ok(fl)} |")
     if all("each" in r.get("ahead", {}) for r in rows):
         out += ["", "Predicted ahead by the two warm-up protocols, on the same live runs: calibrated once, on a warm-up"
-                " before all the runs (at the middle rate), or on a warm-up at each run's rate just before it"
+                " at a middle load before all the runs, or on a warm-up at each run's rate just before it"
                 " (another seed).", "",
                 "| rate | E2E P50 error: once / each | E2E P99 error: once / each | req/s error: once / each "
                 f"| within {within}%: once; each |", "|---|---|---|---|---|"]
@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-cache-gb", type=float, default=1.0)
     ap.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
     ap.add_argument("--warmup", choices=WARMUPS, default="each",
-                    help="calibrate on one warm-up at the middle rate, or also on one at each rate (default)")
+                    help="calibrate on one warm-up at a middle load, or also on one at each rate (default)")
     ap.add_argument("--out", default=None, help="markdown file to add the table to (e.g. BENCHMARKS.md)")
     a = ap.parse_args(argv)
     cfg = EngineConfig(model=ModelConfig(model=a.model), cache=CacheConfig(kv_cache_gb=a.kv_cache_gb),
