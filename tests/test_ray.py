@@ -217,8 +217,8 @@ def test_a_replica_killed_under_load_loses_nothing_and_unseen_requests_are_place
         assert victim is not None, "no replica was both streaming and queueing"
         held = [t for t in list(client._tracks.values()) if t.replica == victim.key]
         ray.kill(victim.handle, no_restart=False)
-        # nothing produced by the time it died (read after the kill: a request the victim held
-        # may have sent its first token between the look above and the kill)
+        # nothing produced by the time the kill was asked (read after it: a request the victim
+        # held may have sent its first token between the look above and the kill)
         queued = {t.rid for t in held if not t.delivered}
         results = [f.result(timeout=180) for f in futures]
     streams, wholes = results[1::2], results[0::2]
@@ -233,9 +233,12 @@ def test_a_replica_killed_under_load_loses_nothing_and_unseen_requests_are_place
             assert "replica" in s["error"] and "died" in s["error"], s
             assert s["times"], s
     answered = {w["id"] for w in wholes} | {s["id"] for s in streams if s["error"] is None}
-    assert queued <= answered  # what the victim queued was placed again and answered
+    # ray.kill does not wait for the actor to die: output it sent after the kill was asked may
+    # still reach a stream's client, which then fails as a stream with output (checked above)
+    unseen = queued - {s["id"] for s in failed}
+    assert unseen <= answered  # what the victim queued, no client the wiser, was placed again and answered
     retried = client.retries - retries0
-    assert len(queued) <= retried and retried + len(failed) <= len(held), (queued, retried, len(failed), len(held))
+    assert len(unseen) <= retried and retried + len(failed) <= len(held), (unseen, retried, len(failed), len(held))
     assert client.replica_failures == failures0 + 1
     assert scrape(server.url)[("batchserve:router_retries_total", ())] == client.retries
     survivor = next(r for r in client.replicas if r is not victim)
