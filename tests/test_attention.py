@@ -121,6 +121,37 @@ def test_prefill_kernel_matches_float64(cache_dtype, hd, g, bs):
         flat += n
 
 
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_prefill_kernel_gives_each_row_the_same_bits_however_the_prompt_is_cut(cache_dtype):
+    """A prompt's rows from the C++ prompt kernel are bit-identical whether it runs whole, in
+    chunks of 7 or 8 tokens (each after the cached rest), or beside another prompt: each query is
+    computed on its own in key order. Prefix caching and chunked prefill rely on it for their
+    greedy tokens to equal an uncut prompt's."""
+    kernel = paged_attention_ext()
+    if kernel is None or not kernel.prefill_supported(64):
+        pytest.skip("no C++ prefill kernel here")
+    torch.manual_seed(7)
+    n, n_kv, g, hd, bs = 61, 2, 3, 64, 16
+    table = torch.randperm(8)[: -(-n // bs)].tolist()
+    k_cache = torch.randn(8, n_kv, bs, hd).to(cache_dtype)
+    v_cache = torch.randn(8, n_kv, bs, hd).to(cache_dtype)
+    qkv = torch.randn(n, n_kv * g + 2 * n_kv, hd)
+    q, k, v = qkv[:, :n_kv * g], qkv[:, n_kv * g:n_kv * (g + 1)], qkv[:, n_kv * (g + 1):]
+
+    def attend(pieces):  # pieces: (start, tokens) of this prompt, all in one step
+        meta = AttnMeta.build([(s, c, table) for s, c in pieces], bs, torch.device("cpu"), kernel)
+        rows = torch.cat([torch.arange(s, s + c) for s, c in pieces])
+        return paged_attention(q[rows], k[rows], v[rows], k_cache, v_cache, meta, stored=True), rows
+
+    whole, _ = attend([(0, n)])
+    for size in (7, 8):
+        for s in range(0, n, size):
+            got, rows = attend([(s, min(size, n - s))])
+            assert torch.equal(got, whole[rows]), (size, s)
+    got, rows = attend([(0, 30), (30, n - 30)])  # two pieces side by side in one step
+    assert torch.equal(got, whole[rows])
+
 def test_float16_cache_saturates_instead_of_overflowing():
     """A K/V value past float16's range is stored as +-65504 on both write paths (the PyTorch
     index_copy and the C++ fused RoPE store), so attention stays finite; NaN stays NaN."""

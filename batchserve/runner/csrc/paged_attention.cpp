@@ -155,6 +155,42 @@ void decode_portable(const float* qp, const T* kp, const T* vp, const int64_t* b
   });
 }
 
+// The prefill kernels' driver: each span's queries cut into items of up to `qtile` consecutive
+// queries and one kv head, the longest first, handed out one at a time so that the threads
+// finish together. Each worker makes its buffers once (init) and runs item(bufs, span, kv head,
+// first row, queries, position of the first).
+template <typename Bufs, typename Init, typename Item>
+void prefill_items(const int64_t* spans, int64_t S, int64_t nkv, int64_t qtile, Init init, Item item) {
+  struct Work {
+    int64_t span, kvh, q_off, nq, cost;
+  };
+  std::vector<Work> items;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t n = spans[s * 3 + 1], pos0 = spans[s * 3 + 2];
+    for (int64_t off = 0; off < n; off += qtile)
+      for (int64_t h = 0; h < nkv; ++h) {
+        const int64_t nq = std::min(qtile, n - off);
+        items.push_back({s, h, off, nq, pos0 + off + nq});
+      }
+  }
+  std::sort(items.begin(), items.end(), [](const Work& a, const Work& b) { return a.cost > b.cost; });
+  std::atomic<int64_t> next{0};
+  const int64_t nitems = static_cast<int64_t>(items.size());
+  auto worker = [&](int64_t, int64_t) {
+    Bufs bufs;
+    init(bufs);
+    for (int64_t i = next.fetch_add(1); i < nitems; i = next.fetch_add(1)) {
+      const Work& w = items[i];
+      item(bufs, w.span, w.kvh, spans[w.span * 3] + w.q_off, w.nq, spans[w.span * 3 + 2] + w.q_off);
+    }
+  };
+  const int64_t nworkers = std::min<int64_t>(at::get_num_threads(), nitems);
+  if (nworkers > 1)
+    at::parallel_for(0, nworkers, 1, worker);
+  else if (nitems > 0)
+    worker(0, 1);
+}
+
 #if defined(__AVX512F__)
 
 constexpr int kTile = 16;  // tokens scored together: their 16 scores fill one zmm
@@ -905,40 +941,193 @@ void prefill_avx512(const float* q, int64_t q_tok_stride, const T* kc, const T* 
                     const int64_t* tables, int64_t maxb, const int64_t* spans, int64_t S, int64_t block_size,
                     float scale, float* out, int64_t out_tok_stride) {
   const int64_t G = nh / nkv;
-  struct Item {
-    int64_t span, kvh, q_off, nq, cost;
-  };
-  std::vector<Item> items;
-  for (int64_t s = 0; s < S; ++s) {
-    const int64_t n = spans[s * 3 + 1], pos0 = spans[s * 3 + 2];
-    for (int64_t off = 0; off < n; off += kQTile)
-      for (int64_t h = 0; h < nkv; ++h) {
-        const int64_t nq = std::min(kQTile, n - off);
-        items.push_back({s, h, off, nq, pos0 + off + nq});
-      }
-  }
-  // Longest first, handed out one at a time: the threads finish together.
-  std::sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
-  std::atomic<int64_t> next{0};
-  const int64_t nitems = static_cast<int64_t>(items.size());
-  auto worker = [&](int64_t, int64_t) {
-    PrefillBufs bufs;
-    bufs.init(G, HD);
-    for (int64_t i = next.fetch_add(1); i < nitems; i = next.fetch_add(1)) {
-      const Item& it = items[i];
-      const int64_t row0 = spans[it.span * 3] + it.q_off, pos0 = spans[it.span * 3 + 2] + it.q_off;
-      prefill_item<T, HD>(q, q_tok_stride, kc, vc, nkv, tables + it.span * maxb, block_size, it.kvh, G, row0, it.nq,
-                          pos0, scale, out, out_tok_stride, bufs);
-    }
-  };
-  const int64_t nworkers = std::min<int64_t>(at::get_num_threads(), nitems);
-  if (nworkers > 1)
-    at::parallel_for(0, nworkers, 1, worker);
-  else if (nitems > 0)
-    worker(0, 1);
+  prefill_items<PrefillBufs>(spans, S, nkv, kQTile, [&](PrefillBufs& b) { b.init(G, HD); },
+                             [&](PrefillBufs& b, int64_t span, int64_t kvh, int64_t row0, int64_t nq, int64_t pos0) {
+                               prefill_item<T, HD>(q, q_tok_stride, kc, vc, nkv, tables + span * maxb, block_size,
+                                                   kvh, G, row0, nq, pos0, scale, out, out_tok_stride, b);
+                             });
 }
 
 #endif  // __AVX512F__
+
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// ---- prefill on AVX2: the AVX-512 kernel's scheme on 8 lanes --------------------------------
+// A work item is up to 8 consecutive queries (one per lane) of one prompt chunk and one kv head,
+// with its G query heads; keys 8 at a time, each K/V row read once for all G x 8 rows; scores
+// transposed (s[j] = the 8 queries' scores for key j), so the online softmax is vertical. Each
+// query's arithmetic is its own lane's, in key order: its result does not depend on which
+// queries share its item or its chunk, so a prompt gives the same output however it is cut.
+constexpr int64_t kQTile8 = 8;  // queries per item
+constexpr int kKTile8 = 8;      // keys per tile
+
+// exp(x) for x <= 0 on 8 lanes: exp_nonpos's polynomial, k rounded to nearest, 2^k built in the
+// exponent bits (k >= -126 for x >= -87, a normal float).
+inline __m256 exp_nonpos8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693145752f), x);
+  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(1.42860677e-06f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline void row_to_float8(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void row_to_float8(const bf16_t* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))), 16)));
+}
+inline void row_to_float8(const fp16_t* src, float* dst, int64_t n) {
+#if defined(__F16C__)
+  for (int64_t i = 0; i < n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#else
+  for (int64_t i = 0; i < n; ++i) dst[i] = batchserve::fp16_to_float(src[i]);
+#endif
+}
+
+struct PrefillBufs8 {
+  std::vector<float> qt, o, m, l, p, alpha, kf, vf;
+  std::vector<__m256> s;  // one tile's scores, [G][8 keys] vectors of 8 queries
+  void init(int64_t G, int64_t hd) {
+    s.resize(G * kKTile8);
+    qt.resize(G * hd * kQTile8);
+    o.resize(G * kQTile8 * hd);
+    m.resize(G * kQTile8);
+    l.resize(G * kQTile8);
+    p.resize(kKTile8 * G * kQTile8);
+    alpha.resize(G * kQTile8);
+    kf.resize(kKTile8 * hd);
+    vf.resize(kKTile8 * hd);
+  }
+};
+
+template <typename T, int HD>
+void prefill_item8(const float* q, int64_t q_tok_stride, const T* kc, const T* vc, int64_t nkv,
+                   const int64_t* table, int64_t block_size, int64_t kvh, int64_t G, int64_t row0, int64_t nq,
+                   int64_t pos0, float scale, float* out, int64_t out_tok_stride, PrefillBufs8& b) {
+  constexpr int NV = HD / 8;  // 8-float vectors per head row
+  constexpr int CV = 4;       // of them accumulated at once in P x V
+  constexpr int RG = 2;       // query rows per P x V block
+  const int64_t R = G * kQTile8;  // row r = g * 8 + query; queries past nq are zeros, never written
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t i = 0; i < kQTile8; ++i) {
+      const float* src = q + (row0 + i) * q_tok_stride + (kvh * G + g) * HD;
+      for (int d = 0; d < HD; ++d) b.qt[(g * HD + d) * kQTile8 + i] = i < nq ? src[d] * scale : 0.f;
+    }
+  std::fill(b.o.begin(), b.o.begin() + R * HD, 0.f);
+  std::fill(b.m.begin(), b.m.begin() + R, -INFINITY);
+  std::fill(b.l.begin(), b.l.begin() + R, 0.f);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const int64_t last = pos0 + nq - 1;  // the last query's position: keys 0 .. last are needed
+  for (int64_t base = 0; base <= last; base += kKTile8) {
+    const int64_t nk = std::min<int64_t>(kKTile8, last + 1 - base);
+    for (int64_t j = 0; j < nk; ++j) {
+      const int64_t pos = base + j;
+      const int64_t at = batchserve::kv_row(table[pos / block_size], pos % block_size, kvh, nkv, block_size) * HD;
+      row_to_float8(kc + at, b.kf.data() + j * HD, HD);
+      row_to_float8(vc + at, b.vf.data() + j * HD, HD);
+    }
+    for (int64_t j = nk; j < kKTile8; ++j) {  // keys past the last: zeros, masked out below
+      std::fill(b.kf.begin() + j * HD, b.kf.begin() + (j + 1) * HD, 0.f);
+      std::fill(b.vf.begin() + j * HD, b.vf.begin() + (j + 1) * HD, 0.f);
+    }
+    // Key j is visible to query i when base + j <= pos0 + i: lanes i >= base + j - pos0.
+    __m256 vis[kKTile8];
+    for (int j = 0; j < kKTile8; ++j) {
+      const int64_t first = j >= nk ? kQTile8 : std::max<int64_t>(0, std::min<int64_t>(kQTile8, base + j - pos0));
+      vis[j] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(lane, _mm256_set1_epi32(static_cast<int>(first) - 1)));
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      __m256 s[kKTile8];
+#pragma GCC unroll 8
+      for (int j = 0; j < kKTile8; ++j) s[j] = _mm256_setzero_ps();
+      const float* qg = b.qt.data() + g * HD * kQTile8;
+      for (int d = 0; d < HD; ++d) {
+        const __m256 qv = _mm256_loadu_ps(qg + d * kQTile8);
+#pragma GCC unroll 8
+        for (int j = 0; j < kKTile8; ++j) s[j] = _mm256_fmadd_ps(qv, _mm256_broadcast_ss(b.kf.data() + j * HD + d), s[j]);
+      }
+      __m256 mx = _mm256_loadu_ps(b.m.data() + g * kQTile8);
+      const __m256 mold = mx;
+#pragma GCC unroll 8
+      for (int j = 0; j < kKTile8; ++j) mx = _mm256_blendv_ps(mx, _mm256_max_ps(mx, s[j]), vis[j]);
+      // Every query sees key 0, so after the first tile no lane's max is -inf.
+      const __m256 alpha = exp_nonpos8(_mm256_sub_ps(mold, mx));
+      __m256 lsum = _mm256_mul_ps(_mm256_loadu_ps(b.l.data() + g * kQTile8), alpha);
+      float* pg = b.p.data() + g * kQTile8;
+#pragma GCC unroll 8
+      for (int j = 0; j < kKTile8; ++j) {
+        const __m256 p = _mm256_and_ps(vis[j], exp_nonpos8(_mm256_sub_ps(s[j], mx)));
+        lsum = _mm256_add_ps(lsum, p);
+        _mm256_storeu_ps(pg + j * R, p);  // p[j][row]
+      }
+      _mm256_storeu_ps(b.m.data() + g * kQTile8, mx);
+      _mm256_storeu_ps(b.l.data() + g * kQTile8, lsum);
+      _mm256_storeu_ps(b.alpha.data() + g * kQTile8, alpha);
+    }
+    // O = alpha * O + P V for the rows of real queries, RG rows and CV vectors at a time.
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t i0 = 0; i0 < nq; i0 += RG) {
+        const int rc = static_cast<int>(std::min<int64_t>(RG, nq - i0));
+        const int64_t r0 = g * kQTile8 + i0;
+        for (int c0 = 0; c0 < NV; c0 += CV) {
+          __m256 o[RG][CV];
+#pragma GCC unroll 2
+          for (int r = 0; r < RG; ++r) {
+            const __m256 a = _mm256_set1_ps(r < rc ? b.alpha[r0 + r] : 0.f);
+#pragma GCC unroll 4
+            for (int c = 0; c < CV; ++c)
+              o[r][c] = r < rc ? _mm256_mul_ps(a, _mm256_loadu_ps(b.o.data() + (r0 + r) * HD + 8 * (c0 + c)))
+                               : _mm256_setzero_ps();
+          }
+          for (int64_t j = 0; j < nk; ++j) {
+            __m256 v[CV];
+#pragma GCC unroll 4
+            for (int c = 0; c < CV; ++c) v[c] = _mm256_loadu_ps(b.vf.data() + j * HD + 8 * (c0 + c));
+            const float* pj = b.p.data() + j * R + r0;
+#pragma GCC unroll 2
+            for (int r = 0; r < RG; ++r) {
+              const __m256 pv = _mm256_set1_ps(pj[r]);  // a row past rc holds a padding lane's p: unused
+#pragma GCC unroll 4
+              for (int c = 0; c < CV; ++c) o[r][c] = _mm256_fmadd_ps(pv, v[c], o[r][c]);
+            }
+          }
+          for (int r = 0; r < rc; ++r)
+            for (int c = 0; c < CV; ++c) _mm256_storeu_ps(b.o.data() + (r0 + r) * HD + 8 * (c0 + c), o[r][c]);
+        }
+      }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t i = 0; i < nq; ++i) {
+      const int64_t r = g * kQTile8 + i;
+      const float inv = 1.f / b.l[r];  // every query sees at least key 0
+      float* dst = out + (row0 + i) * out_tok_stride + (kvh * G + g) * HD;
+      for (int d = 0; d < HD; ++d) dst[d] = b.o[r * HD + d] * inv;
+    }
+}
+
+template <typename T, int HD>
+void prefill_avx2(const float* q, int64_t q_tok_stride, const T* kc, const T* vc, int64_t nh, int64_t nkv,
+                  const int64_t* tables, int64_t maxb, const int64_t* spans, int64_t S, int64_t block_size,
+                  float scale, float* out, int64_t out_tok_stride) {
+  const int64_t G = nh / nkv;
+  prefill_items<PrefillBufs8>(spans, S, nkv, kQTile8, [&](PrefillBufs8& b) { b.init(G, HD); },
+                              [&](PrefillBufs8& b, int64_t span, int64_t kvh, int64_t row0, int64_t nq, int64_t pos0) {
+                                prefill_item8<T, HD>(q, q_tok_stride, kc, vc, nkv, tables + span * maxb, block_size,
+                                                     kvh, G, row0, nq, pos0, scale, out, out_tok_stride, b);
+                              });
+}
+#endif  // AVX2 without AVX-512
 
 // Blocks of an int8 cache as float32 [n, nkv, bs, hd] (K and V).
 void i8_dequantize(const uint8_t* kc, const uint8_t* vc, const int64_t* blocks, int64_t n, int64_t nkv, int64_t bs,
@@ -1084,10 +1273,10 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   return out;
 }
 
-// Whether paged_prefill runs for this head size here (AVX-512 and head_dim 64 or 128); when not,
-// the caller uses its PyTorch path.
+// Whether paged_prefill runs for this head size here (AVX-512, or AVX2 with FMA; head_dim 64 or
+// 128); when not, the caller uses its PyTorch path.
 bool prefill_supported(int64_t hd) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   return hd == 64 || hd == 128;
 #else
   (void)hd;
@@ -1128,11 +1317,15 @@ void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
   TORCH_CHECK(nkv > 0 && nh % nkv == 0, "paged_prefill: query heads not a multiple of kv heads");
   TORCH_CHECK(spans.dim() == 2 && spans.size(1) == 3 && spans.size(0) == block_tables.size(0),
               "paged_prefill: spans must be [S, 3], one row per block table");
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   const float sc = static_cast<float>(scale);
   auto run = [&](const auto* kp, const auto* vp) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
+#if defined(__AVX512F__)
     auto fn = hd == 64 ? prefill_avx512<T, 64> : prefill_avx512<T, 128>;
+#else
+    auto fn = hd == 64 ? prefill_avx2<T, 64> : prefill_avx2<T, 128>;
+#endif
     fn(q.data_ptr<float>(), q.stride(0), kp, vp, nh, nkv, block_tables.data_ptr<int64_t>(), block_tables.size(1),
        spans.data_ptr<int64_t>(), spans.size(0), block_size, sc, out.data_ptr<float>(), out.stride(0));
   };
