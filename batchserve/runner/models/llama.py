@@ -64,17 +64,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-def onednn_linear_ok(weight: torch.Tensor) -> bool:
-    """Whether oneDNN's linear on a pre-packed weight runs here (fp32 on CPU, oneDNN built in)."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+def onednn_linear_ok(weight: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
+    """Whether oneDNN's linear on a pre-packed weight runs here for `weight` (on the CPU, oneDNN
+    built in) in `dtype` (None: the weight's own; float32, or bfloat16, which oneDNN runs only on
+    a CPU with AVX512-BF16-class instructions: AVX512BW/VL/DQ or AVX-NE-CONVERT)."""
+    dtype = dtype or weight.dtype
+    if weight.device.type != "cpu" or dtype not in _ONEDNN_OK or not torch.backends.mkldnn.is_available():
         return False
-    try:
-        w = torch.randn(8, 16)
-        y = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 16), torch.ops.mkldnn._reorder_linear_weight(w, None),
-                                               None, "none", [-1], "")
-        return bool(torch.allclose(y, F.linear(torch.ones(2, 16), w), atol=1e-4))
-    except (RuntimeError, AttributeError):  # a torch without these (private) ops
-        return False
+    if _ONEDNN_OK[dtype] is None:
+        try:
+            w, x = torch.randn(8, 16).to(dtype), torch.ones(2, 16).to(dtype)
+            y = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w, None),
+                                                   None, "none", [-1], "")
+            _ONEDNN_OK[dtype] = bool(torch.allclose(y.float(), F.linear(x, w).float(), atol=1e-2))
+        except (RuntimeError, AttributeError):  # a torch without these (private) ops, or a CPU it refuses
+            _ONEDNN_OK[dtype] = False
+    return bool(_ONEDNN_OK[dtype])
+
+
+_ONEDNN_OK: dict[torch.dtype, bool | None] = {torch.float32: None, torch.bfloat16: None}  # probed once each
 
 
 def cpp_linear_ok(weight: torch.Tensor) -> bool:
@@ -412,13 +420,17 @@ class LlamaModel(nn.Module):
         head_name = ("model.embed_tokens.weight" if cfg.tie_word_embeddings or "lm_head.weight" not in w
                      else "lm_head.weight")
         # bf16 products (matmul_dtype): the C++ GEMM's bf16 path where the CPU has it, else oneDNN's
-        # packed bf16 layout (unless F.linear was asked for).
+        # packed bf16 layout where oneDNN runs bf16 here, else F.linear (emulated, slower than
+        # float32, on a CPU without bf16 instructions).
         layer_backend = self.linear_backend
         if mm != self.embed.dtype and self.linear_backend != "torch":
             if self.linear_backend == "cpp" and cpp_bf16_ok(cpu_isa):
                 layer_backend = "cpp"
             else:
-                layer_backend = "onednn" if onednn_linear_ok(self.embed) else "torch"
+                layer_backend = "onednn" if onednn_linear_ok(self.embed, mm) else "torch"
+            if layer_backend == "torch" and self.embed.device.type == "cpu":
+                log.warning("matmul_dtype %s: this CPU has no bf16 instructions that oneDNN or the C++ GEMM "
+                            "use, so the products run emulated in F.linear, slower than float32", mm)
         self.lm_head = lin(head_name) if head_name in blocks else Linear(w[head_name], self.linear_backend, isa)
         self.layers: list[dict[str, Any]] = []
         one = 1.0 if cfg.norm_plus_one else 0.0
