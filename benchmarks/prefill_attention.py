@@ -19,6 +19,7 @@ import torch
 
 from batchserve.runner.attention import AttnMeta, gather_slots, paged_attention
 from batchserve.runner.kernels import paged_attention_ext
+from benchmarks.perplexity import cpu_name
 from benchmarks.report_md import publish
 from benchmarks.roofline import median_time
 
@@ -64,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = ["| chunks x tokens, cached before | kernel ms/layer | GFLOP/s | PyTorch gather + SDPA ms/layer | GFLOP/s "
             "| speed-up | max abs difference | kernel, fp16 cache (the default) ms/layer | GFLOP/s |",
             "|---|---|---|---|---|---|---|---|---|"]
+    cpu, flags = cpu_name()
     for nseq, n, cached in CASES:
         r = case(kernel, nseq, n, cached, a.reps)
         rows.append(f"| {nseq} x {n}, {cached} | {r['kernel'] * 1e3:.2f} | {r['gk']:.0f} | {r['torch'] * 1e3:.2f} | "
@@ -71,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{r['g16']:.0f} |")
     text = "\n".join([
         TITLE, "", f"`python -m benchmarks.prefill_attention`, {datetime.datetime.now():%Y-%m-%d %H:%M}; "
+        f"{cpu} ({flags or 'no AVX2'}; the kernel's {'AVX-512' if 'avx512f' in flags.split() else 'AVX2'} path), "
         f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads. "
         f"{N_H} query / {N_KV} kv heads of {HD}, blocks of {BS}, fp32 cache (the last two columns: the same "
         f"kernel on a float16 copy of it); one layer's call, median of {a.reps}; "
