@@ -67,7 +67,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def onednn_linear_ok(weight: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
     """Whether oneDNN's linear on a pre-packed weight runs here for `weight` (on the CPU, oneDNN
     built in) in `dtype` (None: the weight's own; float32, or bfloat16, which oneDNN runs only on
-    a CPU with AVX512-BF16-class instructions: AVX512BW/VL/DQ or AVX-NE-CONVERT)."""
+    a CPU with AVX512BW/VL/DQ or AVX-NE-CONVERT, not on an AVX2-only one such as AMD Zen 3)."""
     dtype = dtype or weight.dtype
     if weight.device.type != "cpu" or dtype not in _ONEDNN_OK or not torch.backends.mkldnn.is_available():
         return False
@@ -429,8 +429,8 @@ class LlamaModel(nn.Module):
             else:
                 layer_backend = "onednn" if onednn_linear_ok(self.embed, mm) else "torch"
             if layer_backend == "torch" and self.embed.device.type == "cpu":
-                log.warning("matmul_dtype %s: this CPU has no bf16 instructions that oneDNN or the C++ GEMM "
-                            "use, so the products run emulated in F.linear, slower than float32", mm)
+                log.warning("matmul_dtype %s: this CPU lacks the instructions of oneDNN's and the C++ GEMM's "
+                            "bf16 products, so they run emulated in F.linear, slower than float32", mm)
         self.lm_head = lin(head_name) if head_name in blocks else Linear(w[head_name], self.linear_backend, isa)
         self.layers: list[dict[str, Any]] = []
         one = 1.0 if cfg.norm_plus_one else 0.0
