@@ -155,6 +155,28 @@ inline __m512 exp_nonpos16(__m512 x) {
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+// exp(x) for x <= 0 on 8 lanes (AVX2): the same polynomial as exp_nonpos16 above, k rounded to
+// nearest, 2^k built in the exponent bits (k >= -126 for x >= -87, a normal float).
+inline __m256 exp_nonpos8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693145752f), x);
+  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(1.42860677e-06f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
 // ---- int8 KV cache (--kv-cache-dtype int8) ----------------------------------------------------
 // Per block and kv head a layer's cache holds a region of block_size rows: their int8 values
 // (block_size * hd bytes), then their float32 scales (value = scale * q, q in [-127, 127], scale =

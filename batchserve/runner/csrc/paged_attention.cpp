@@ -970,41 +970,11 @@ void prefill_avx512(const float* q, int64_t q_tok_stride, const T* kc, const T* 
 // queries share its item or its chunk, so a prompt gives the same output however it is cut.
 constexpr int64_t kQTile8 = 8;  // queries per item
 constexpr int kKTile8 = 8;      // keys per tile
-
-// exp(x) for x <= 0 on 8 lanes: exp_nonpos's polynomial, k rounded to nearest, 2^k built in the
-// exponent bits (k >= -126 for x >= -87, a normal float).
-inline __m256 exp_nonpos8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693145752f), x);
-  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(1.42860677e-06f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
+using batchserve::exp_nonpos8;
 
 inline void row_to_float8(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
-inline void row_to_float8(const bf16_t* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; i += 8)
-    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(
-        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))), 16)));
-}
-inline void row_to_float8(const fp16_t* src, float* dst, int64_t n) {
-#if defined(__F16C__)
-  for (int64_t i = 0; i < n; i += 8)
-    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-#else
-  for (int64_t i = 0; i < n; ++i) dst[i] = batchserve::fp16_to_float(src[i]);
-#endif
-}
+template <typename T>
+inline void row_to_float8(const T* src, float* dst, int64_t n) { row_f32(src, dst, n); }  // 16-bit: widened into dst
 
 struct PrefillBufs8 {
   std::vector<float> qt, o, m, l, p, alpha, kf, vf;
