@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import inspect
 import logging
+import os
 import sys
 import time
 import typing
@@ -181,7 +182,7 @@ def add_simulate_parser(sub: argparse._SubParsersAction, common: argparse.Argume
     g.add_argument("--time-scale", type=float, default=None,
                    help="multiply the trace's timestamps (0.1: ten times faster); instead of --rate")
     g.add_argument("--requests", type=int, default=None, help="requests in the workload (default 1000)")
-    g.add_argument("--rate", type=float, default=10.0, help="mean arrival rate, requests/s")
+    g.add_argument("--rate", type=float, default=None, help="mean arrival rate, requests/s (default 10; a trace: its own)")
     g.add_argument("--arrival", default=None, help="poisson | gamma | step | ramp | piecewise | onoff | replay "
                    "(default: poisson, or replay for a trace)")
     g.add_argument("--burstiness", type=float, default=None, help="gamma arrivals: CV^2 of the gaps")
@@ -218,6 +219,9 @@ def cmd_profile(a: argparse.Namespace) -> int:
 
     if a.rounds < 1 or a.reps < 1 or not a.knee_gain > 0:
         raise ValueError("profile: --rounds and --reps must be >= 1 and --knee-gain > 0")
+    out_dir = os.path.dirname(os.path.abspath(a.out))
+    if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
+        raise ValueError(f"--out {a.out}: {out_dir} is not a writable directory (checked before measuring)")
     cfg = engine_config(a)
     if a.quick:  # a tiny random model and a small grid: seconds, for tests and smoke checks
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, model="dummy", dummy_config=TINY_MODEL),
@@ -285,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return a.func(a)
-    except (ConfigError, RequestError, ValueError) as e:
+    except (ConfigError, RequestError, ValueError, OSError) as e:  # OSError: a file named on the command line
         print(f"error: {e}", file=sys.stderr)
         return 2
 

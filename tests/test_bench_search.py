@@ -95,9 +95,13 @@ def test_bench_flags_are_checked_before_sending(capsys):
     from batchserve.cli import main
 
     for extra, msg in ((["--slo", "ttft=x"], "--slo"), (["--target-attainment", "150"], "percentage"),
-                       (["--find-max-goodput"], "starting rate")):
+                       (["--find-max-goodput"], "starting rate"), (["--rates", "1,x"], "--rates"),
+                       (["--rates", "-1"], "--rates"), (["--rates", "nan"], "--rates"),
+                       (["--arrival-args", "{bad"], "--arrival-args"), (["--slo", ":e2e_ms=5"], "no class name")):
         assert main(["bench", "--url", "http://127.0.0.1:9", "--no-progress", *extra]) == 1
         assert msg in capsys.readouterr().err
+    assert main(["bench", "--compare", "no-such-run/summary.json", "--out", "cmp"]) == 2
+    assert "no-such-run/summary.json" in capsys.readouterr().err
 
 
 def test_simulate_reports_goodput_per_class_and_searches(tmp_path, capsys):

@@ -52,6 +52,29 @@ def test_sweep_finds_the_best_setting_under_the_slo(capsys) -> None:
     assert "| max_batch |" in capsys.readouterr().out
 
 
+def test_sweep_without_an_slo_and_judged_by_attainment(capsys) -> None:
+    """A sweep needs no SLO (every run that completes qualifies), and with `--slo` a run
+    qualifies only at `--target-attainment`, whatever its end-to-end P99."""
+    base = ["simulate", "--workload", "chat", "--requests", "50", "--sweep", "rate=1,4,16"]
+    assert main(base) == 0
+    out = capsys.readouterr().out
+    assert "meets SLO (99% completed)" in out and "best rate: 16" in out
+    assert main(base + ["--slo", "ttft_ms=25", "--slo-ms", "100000"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    attained = [float(r.split("|")[3]) / float(r.split("|")[2]) for r in rows]  # goodput / throughput
+    assert all(a < 0.99 for a in attained) and all(r.rstrip(" |").endswith("no") for r in rows)
+    assert "no setting meets the SLO (99% completed, E2E P99 <= 100000 ms, attainment >= 99%)" in out
+
+
+def test_a_run_whose_every_request_is_refused_still_reports(capsys) -> None:
+    """One request longer than the context is refused at once: the run spans no time, and
+    still prints its summary (an error, no throughput) instead of failing."""
+    assert main(["simulate", "--trace", "mooncake", "--requests", "1", "--max-model-len", "1024"]) == 0
+    out = capsys.readouterr().out
+    assert "requests 1  ok 0" in out and "errors 1" in out and "throughput 0.00 req/s" in out
+
+
 def test_simulate_on_a_profile(tmp_path, capsys) -> None:
     coef = {"const": 0.003, "prefill_token": 2e-5, "decode_seq": 1e-4, "decode_ktoken": 1e-4, "prefill_mpair": 0.0}
     path = tmp_path / "p.json"
@@ -67,6 +90,25 @@ def test_bad_flags_fail_clearly(capsys) -> None:
     assert "--sweep" in capsys.readouterr().err
     assert main(["simulate", "--hardware", "h100", "--profile", "x.json"]) == 2
     assert main(["simulate", "--model", "no-such-model"]) == 2
+    for bad, says in [(["--scale", "-1"], "--scale must be"), (["--rate", "0"], "--rate must be"),
+                      (["--trace", "burstgpt", "--time-scale", "0.5", "--rate", "3"], "not with --rate"),
+                      (["--arrival-args", "{bad"], "--arrival-args: not JSON"),
+                      (["--arrival-args", "[1]"], "--arrival-args: expected a JSON object"),
+                      (["--slo", ":ttft_ms=5"], "no class name"),
+                      (["--profile", "no-such-profile.json"], "no-such-profile.json")]:
+        capsys.readouterr()
+        assert main(["simulate", *bad]) == 2, bad
+        assert says in capsys.readouterr().err, bad
+
+
+def test_a_file_that_is_not_a_profile_is_named(tmp_path, capsys) -> None:
+    for text in ('{"samples": []}', "not json", '{"fit": {"coef": {}}}'):
+        path = tmp_path / "p.json"
+        path.write_text(text)
+        assert main(["simulate", "--profile", str(path)]) == 2
+        assert f"{path}: not a `batchserve profile` file" in capsys.readouterr().err
+    assert main(["profile", "--quick", "--out", str(tmp_path / "no" / "dir" / "p.json")]) == 2
+    assert "not a writable directory" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -62,6 +62,44 @@ def test_readers_and_sniffing(files, tmp_path):
         make_workload(str(bad), 0, 0.0, trace_format="mooncake")
 
 
+OWN = {"timestamp": 0, "prompt_len": 4, "max_tokens": 2}
+
+
+@pytest.mark.parametrize("line, says", [
+    ('{"timestamp": 1e400, "prompt_len": 4, "max_tokens": 2}', ":2: timestamp must be a finite number"),
+    ('{"timestamp": NaN, "prompt_len": 4, "max_tokens": 2}', ":2: timestamp must be a finite number"),
+    ('{"timestamp": "soon", "prompt_len": 4, "max_tokens": 2}', ":2: timestamp must be a number"),
+    ("[1, 2]", ":2: expected a JSON object"),
+    ('{"timestamp": 1, "prompt": 12345, "max_tokens": 2}', ":2: prompt must be a string"),
+    ('{"timestamp": 1, "prompt_len": "abc", "max_tokens": 2}', ":2: prompt_len must be a number"),
+    ('{"timestamp": 1, "prompt_len": 4, "max_tokens": -5}', ":2: max_tokens must be a finite number >= 1"),
+    ('{"timestamp": 1, "prompt_len": 4, "max_tokens": 2, "priority": 99}', ":2: priority"),
+    ('{"timestamp": 1, "prompt_len": 4, "max_tokens": 2, "deadline_kind": "maybe"}', ":2: deadline_kind must be one of"),
+    ('{"timestamp": 1, "prompt_len": 4, "max_tokens": 2, "deadline_ms": -100}', ":2: deadline_ms must be > 0"),
+])
+def test_a_bad_jsonl_line_is_refused_by_file_line_and_field(tmp_path, line, says):
+    """A trace is user input: a value the replay could not honour (a time that never comes, a
+    priority the server refuses) is refused when the file is read, not sent to fail later."""
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(OWN) + "\n" + line + "\n")
+    with pytest.raises(ValueError) as e:
+        make_workload(str(path), 0, 0.0)
+    assert str(e.value).startswith(str(path) + says)
+
+
+@pytest.mark.parametrize("fmt, text", [
+    ("burstgpt", BURSTGPT.replace("7.25,", "inf,")), ("burstgpt", BURSTGPT.replace("7.25,", "nan,")),
+    ("mooncake", '{"timestamp": 1e400, "input_length": 3, "output_length": 2}\n'),
+])
+def test_public_formats_refuse_a_time_that_is_not_finite(tmp_path, fmt, text):
+    path = tmp_path / "t.txt"
+    path.write_text(text)
+    with pytest.raises(ValueError, match="must be a finite number"):
+        make_workload(str(path), 0, 0.0, trace_format=fmt)
+    with pytest.raises(ValueError, match="finite"):
+        replay_times(np.array([0.0, np.inf]))
+
+
 def test_replay_is_time_scaled_or_stretched(files):
     assert replay_times(np.array([10.0, 11.0, 14.0]), time_scale=0.5).tolist() == [0.0, 0.5, 2.0]
     assert replay_times(np.array([10.0, 11.0, 14.0]), rate=3.0).tolist() == pytest.approx([0.0, 0.25, 1.0])
@@ -124,6 +162,10 @@ def test_simulate_and_bench_take_a_trace(capsys):
                  "--slo", "ttft_ms=2000"]) == 0
     out = capsys.readouterr().out
     assert "burstgpt x 60 at time scale 0.05" in out and " api " in out and "conversation" in out
+    assert main(["simulate", "--trace", "burstgpt", "--requests", "60", "--scale", "0.2"]) == 0  # its own timing
+    own = capsys.readouterr().out
+    items = make_workload("burstgpt", 60, 0.0)
+    assert f"burstgpt x 60 at its own timing ({60 / items[-1].arrival:.3g} req/s offered)" in own
     assert main(["bench", "--url", "http://127.0.0.1:9", "--trace", "nope.csv"]) == 1
     assert "no such file" in capsys.readouterr().err
     assert main(["bench", "--url", "http://127.0.0.1:9", "--trace", "mooncake", "--time-scale", "0.1",

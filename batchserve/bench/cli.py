@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
+import math
 import os
 import sys
 from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from batchserve.bench.arrivals import parse_arrival_args
 from batchserve.bench.metrics import SLO, parse_slo_args, summarize
 from batchserve.bench.traces import FORMATS as TRACE_FORMATS
 from batchserve.bench.traces import SAMPLES as TRACE_SAMPLES
@@ -86,8 +87,19 @@ def load_tokenizer(model: str) -> Any:
     return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
 
 
+def parse_rates(text: str) -> list[float]:
+    """`--rates`: comma-separated request rates, each a finite number > 0."""
+    try:
+        rates = [float(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        rates = []
+    if not rates or not all(math.isfinite(r) and r > 0 for r in rates):
+        raise ValueError(f"--rates: expected comma-separated rates > 0 (req/s), got {text!r}")
+    return rates
+
+
 def _arrival_kwargs(a: argparse.Namespace) -> dict[str, Any]:
-    kw: dict[str, Any] = json.loads(a.arrival_args) if a.arrival_args else {}
+    kw: dict[str, Any] = parse_arrival_args(a.arrival_args)
     if a.burstiness is not None:
         kw["burstiness"] = a.burstiness
     return kw
@@ -164,7 +176,7 @@ def sweep(a: argparse.Namespace) -> str:
     if a.trace:
         a.workload = a.trace
     is_trace = a.workload not in MIXES
-    rates = [float(r) for r in a.rates.split(",")] if a.rates else [0.0 if is_trace else 1.0]
+    rates = parse_rates(a.rates) if a.rates else [0.0 if is_trace else 1.0]
     slo, class_slo = parse_slo_args(a.slo or [])
     from batchserve.bench.client import ClientConfig
 
@@ -187,7 +199,13 @@ def check_args(a: argparse.Namespace) -> str | None:
         return f"--slo: {e}"
     if not 0 < a.target_attainment <= 100:
         return f"--target-attainment is a percentage in (0, 100], got {a.target_attainment:g}"
-    if a.find_max_goodput and not (a.rates and float(a.rates.split(",")[0]) > 0):
+    try:
+        _arrival_kwargs(a)
+        if a.rates:
+            parse_rates(a.rates)
+    except ValueError as e:
+        return str(e)
+    if a.find_max_goodput and not a.rates:
         return "--find-max-goodput needs a starting rate > 0: --rates R"
     if a.trace and a.trace not in TRACE_SAMPLES and not os.path.isfile(a.trace):
         return f"--trace {a.trace!r}: no such file, nor a bundled sample {sorted(TRACE_SAMPLES)}"

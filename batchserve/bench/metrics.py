@@ -82,6 +82,8 @@ def parse_slo_args(values: Sequence[str]) -> tuple[SLO | None, dict[str, SLO]]:
     for v in values:
         head, sep, rest = v.partition(":")
         if sep and "=" not in head and head.strip() not in _SLO_ALIASES and head.strip() not in SLO_KEYS:
+            if not head.strip():
+                raise ValueError(f"SLO {v!r}: no class name before ':' (CLASS:key=ms, or key=ms for every request)")
             per[head.strip()] = SLO.parse(rest)
         else:
             glob = SLO.parse(v)

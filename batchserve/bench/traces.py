@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from batchserve.bench.prompts import ORDINARY_IDS, build_prompt, exact_prompt, one_token_words
-from batchserve.bench.workload import WorkItem
+from batchserve.bench.workload import WorkItem, trace_number
 
 FORMATS = ("jsonl", "burstgpt", "azure", "mooncake")
 MOONCAKE_BLOCK = 512  # tokens per hash id in Mooncake's traces
@@ -95,10 +95,7 @@ def _csv_rows(path: str, need: tuple[str, ...], n: int) -> list[dict[str, str]]:
 
 
 def _int(path: str, line: int, row: dict[str, Any], key: str) -> int:
-    try:
-        return int(float(row[key]))
-    except (TypeError, ValueError):
-        raise ValueError(f"{path}:{line}: {key} must be a number, got {row.get(key)!r}") from None
+    return int(trace_number(path, line, row.get(key), key))
 
 
 def read_burstgpt(path: str, n: int = 0) -> list[TraceRequest]:
@@ -108,7 +105,7 @@ def read_burstgpt(path: str, n: int = 0) -> list[TraceRequest]:
         if olen < 1:
             continue
         kind = (r.get("Log Type") or "default").strip().lower().removesuffix(" log") or "default"
-        out.append(TraceRequest(float(r["Timestamp"]), max(1, plen), olen, kind))
+        out.append(TraceRequest(trace_number(path, line, r["Timestamp"], "Timestamp"), max(1, plen), olen, kind))
         if 0 < n <= len(out):
             break
     return out
@@ -132,6 +129,7 @@ def read_azure(path: str, n: int = 0) -> list[TraceRequest]:
             t = _seconds(r["TIMESTAMP"])
         except ValueError:
             raise ValueError(f"{path}:{line}: TIMESTAMP {r['TIMESTAMP']!r} is no date-time or number") from None
+        trace_number(path, line, t, "TIMESTAMP")
         out.append(TraceRequest(t, max(1, _int(path, line, r, "ContextTokens")),
                                 max(1, _int(path, line, r, "GeneratedTokens"))))
     return out
@@ -148,9 +146,10 @@ def read_mooncake(path: str, n: int = 0) -> list[TraceRequest]:
                 req = TraceRequest(float(r["timestamp"]) / 1000.0, max(1, int(r["input_length"])),
                                    max(1, int(r["output_length"])), "default",
                                    tuple(int(h) for h in r.get("hash_ids") or ()))
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError, OverflowError) as e:
                 raise ValueError(f"{path}:{line}: not a Mooncake record "
                                  f"(timestamp, input_length, output_length, hash_ids): {e}") from None
+            trace_number(path, line, req.timestamp, "timestamp")
             out.append(req)
             if 0 < n <= len(out):
                 break
@@ -162,7 +161,10 @@ READERS = {"burstgpt": read_burstgpt, "azure": read_azure, "mooncake": read_moon
 
 def replay_times(ts: np.ndarray, rate: float = 0.0, time_scale: float | None = None) -> np.ndarray:
     """Trace times from 0: t - min(t), times `time_scale`, or stretched to mean `rate` (n / span)."""
-    ts = np.asarray(ts, dtype=float) - np.min(ts)
+    ts = np.asarray(ts, dtype=float)
+    if not np.isfinite(ts).all():
+        raise ValueError("trace replay: every timestamp must be a finite number")
+    ts = ts - np.min(ts)
     if time_scale is not None:
         if rate > 0:
             raise ValueError("trace replay: give a rate or a time scale, not both")

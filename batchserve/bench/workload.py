@@ -231,46 +231,80 @@ def assign_classes(items: Sequence[WorkItem], classes: Sequence[RequestClass], r
     return out
 
 
+def trace_number(path: str, line: int, value: Any, name: str, least: float | None = None) -> float:
+    """A trace cell as a finite float (at least `least` when given), or a ValueError naming
+    the file, line and field: a trace is user input, and an infinite or NaN time would stall
+    or void the replay."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        x = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{path}:{line}: {name} must be a number, got {value!r}") from None
+    if not np.isfinite(x) or (least is not None and x < least):
+        bound = "a finite number" if least is None else f"a finite number >= {least:g}"
+        raise ValueError(f"{path}:{line}: {name} must be {bound}, got {value!r}")
+    return x
+
+
+def _trace_item(path: str, line: int, r: dict[str, Any], t: float, s: float, deadline_scale: float,
+                rng: np.random.Generator, tokenizer: Any) -> WorkItem:
+    """One line of batchserve's JSONL trace as a WorkItem, every field checked."""
+    if "max_tokens" not in r or ("prompt" not in r and "prompt_len" not in r):
+        raise ValueError(f"{path}:{line}: needs max_tokens and prompt or prompt_len")
+    text, ids = r.get("prompt"), None
+    if text is not None and not isinstance(text, str):
+        raise ValueError(f"{path}:{line}: prompt must be a string, got {type(text).__name__}")
+    if "prompt_len" in r:
+        plen = max(1, round(trace_number(path, line, r["prompt_len"], "prompt_len", 1) * s))
+        if text is None:
+            text, ids = build_prompt(plen, rng, tokenizer)
+    elif tokenizer is not None:
+        plen = len(tokenizer.encode(text, add_special_tokens=False))
+    else:
+        plen = max(1, round(len(text) / 4))  # rough: about 4 characters a token in English
+    out = max(1, round(trace_number(path, line, r["max_tokens"], "max_tokens", 1) * s))
+    dl, kind = r.get("deadline_ms"), r.get("deadline_kind")
+    try:
+        priority = check_priority(r.get("priority", DEFAULT_PRIORITY))
+    except ValueError as e:
+        raise ValueError(f"{path}:{line}: {e}") from None
+    if kind is not None and kind not in tuple(DeadlineKind):
+        raise ValueError(f"{path}:{line}: deadline_kind must be one of {[k.value for k in DeadlineKind]}, got {kind!r}")
+    if dl is not None:
+        dl = trace_number(path, line, dl, "deadline_ms") * deadline_scale
+        if not dl > 0:
+            raise ValueError(f"{path}:{line}: deadline_ms must be > 0, got {r['deadline_ms']!r}")
+    return WorkItem(t, plen, text, ids, out, priority, dl, kind, str(r.get("cls", r.get("class", "default"))))
+
+
 def _from_trace(path: str, n: int, rate: float, rng: np.random.Generator, arrival: str | None,
                 tokenizer: Any, scale: float | None, deadline_scale: float, time_scale: float | None,
                 arrival_kwargs: dict[str, Any]) -> list[WorkItem]:
     from batchserve.bench.traces import replay_times
 
-    rows = []
+    rows: list[tuple[int, dict[str, Any]]] = []
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
             if line.strip():
                 try:
-                    rows.append(json.loads(line))
+                    r = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path}:{lineno}: not JSON: {e}") from None
+                if not isinstance(r, dict):
+                    raise ValueError(f"{path}:{lineno}: expected a JSON object (one request), got {line.strip()[:40]!r}")
+                rows.append((lineno, r))
             if 0 < n <= len(rows):
                 break
     if not rows:
         raise ValueError(f"{path}: no requests")
     if arrival in (None, "replay"):
-        ts = replay_times(np.array([float(r.get("timestamp", r.get("arrival", 0.0))) for r in rows]), rate,
-                          time_scale)
+        ts = replay_times(np.array([trace_number(path, ln, r.get("timestamp", r.get("arrival", 0.0)), "timestamp")
+                                    for ln, r in rows]), rate, time_scale)
     else:
         ts = make_arrivals(arrival, len(rows), rate, rng, **arrival_kwargs)
     s = 1.0 if scale is None else scale
-    items = []
-    for lineno, (r, t) in enumerate(zip(rows, ts), 1):
-        if "max_tokens" not in r or ("prompt" not in r and "prompt_len" not in r):
-            raise ValueError(f"{path}:{lineno}: needs max_tokens and prompt or prompt_len")
-        text, ids = r.get("prompt"), None
-        if "prompt_len" in r:
-            plen = max(1, round(int(r["prompt_len"]) * s))
-            if text is None:
-                text, ids = build_prompt(plen, rng, tokenizer)
-        elif tokenizer is not None:
-            plen = len(tokenizer.encode(text, add_special_tokens=False))
-        else:
-            plen = max(1, round(len(text) / 4))  # rough: about 4 characters a token in English
-        dl = r.get("deadline_ms")
-        items.append(WorkItem(float(t), plen, text, ids, max(1, round(int(r["max_tokens"]) * s)),
-                              int(r.get("priority", DEFAULT_PRIORITY)),
-                              None if dl is None else float(dl) * deadline_scale, r.get("deadline_kind"), str(r.get("cls", r.get("class", "default")))))
+    items = [_trace_item(path, ln, r, float(t), s, deadline_scale, rng, tokenizer) for (ln, r), t in zip(rows, ts)]
     items.sort(key=lambda w: w.arrival)
     return items
 

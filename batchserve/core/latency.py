@@ -259,8 +259,13 @@ class ProfiledLatencyModel:
         """The model in a JSON file that `batchserve profile` wrote (its "fit", "knee" and KV
         pool entries; the measured samples are not needed)."""
         with open(path) as f:
-            d = json.load(f)
-        fitm = d["fit"]
+            try:
+                d = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: not a `batchserve profile` file: {e}") from None
+        fitm = d.get("fit") if isinstance(d, dict) else None
+        if not isinstance(fitm, dict) or not isinstance(fitm.get("coef"), dict) or "context_len" not in fitm:
+            raise ValueError(f"{path}: not a `batchserve profile` file (no \"fit\" with \"coef\" and \"context_len\")")
         # profiles written before a term existed (row_excess, prompt, mixed) have none: 0, the old model
         return cls(coef={t: float(fitm["coef"].get(t, 0.0)) for t in TERMS}, context_len=int(fitm["context_len"]),
                    knee_batch=d.get("knee", {}).get("batch"), row_knee=fitm.get("row_knee"),

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from batchserve.bench.arrivals import parse_arrival_args
 from batchserve.bench.metrics import SLO, parse_slo_args
 from batchserve.bench.search import RateSearch, find_max_rate, search_line
-from batchserve.bench.workload import WorkItem, class_slos, make_workload, mix_classes
+from batchserve.bench.workload import MIXES, WorkItem, class_slos, make_workload, mix_classes
 from batchserve.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
 from batchserve.sim.cost import CostModel, make_cost_model
 from batchserve.sim.simulator import SimResult, Simulator
@@ -25,7 +27,15 @@ from batchserve.sim.simulator import SimResult, Simulator
 SWEEP_ALIASES = {"window": "window_ms", "max-batch": "max_batch", "batch": "max_batch",
                  "chunk": "chunk_size", "chunk-size": "chunk_size", "max-num-seqs": "max_num_seqs"}
 DEFAULT_REQUESTS = 1000
+DEFAULT_RATE = 10.0  # req/s of a mix, or of a trace given another arrival process
 TOKEN_TIMES_LIMIT = 20_000  # above this many requests per-token times are not kept (memory)
+
+
+def rate_of_run(records: Sequence[Any]) -> float:
+    """Offered requests per second: how many, over first to last send (0 for one request)."""
+    sends = [r.send_time for r in records]
+    span = max(sends) - min(sends) if sends else 0.0
+    return len(sends) / span if span > 0 else 0.0
 
 
 def simulate(config: EngineConfig, cost: CostModel, items: Sequence[WorkItem], slo_ms: float | None = None,
@@ -60,11 +70,13 @@ class SweepSpec:
 
 
 def sweep(spec: SweepSpec, config: EngineConfig, cost: CostModel, workload: dict[str, Any], slo_ms: float | None,
-          slo: SLO | None = None, class_slo: dict[str, SLO] | None = None
+          slo: SLO | None = None, class_slo: dict[str, SLO] | None = None, target: float = 0.99
           ) -> tuple[list[dict[str, Any]], dict[str, Any] | None, list[SimResult]]:
-    """Run every value; the best is, among runs whose P99 end-to-end latency meets `slo_ms`
-    and that completed >= 99% of their requests, the one with the most goodput (a rate
-    sweep: the highest rate that still meets the SLO)."""
+    """Run every value; the best is, among runs that meet the SLO (`criterion`: completed >=
+    99% of their requests, P99 end to end within `slo_ms` when set, attainment >= `target`
+    when `slo` or `class_slo` sets targets), the one with the most goodput (a rate sweep:
+    the highest rate that still meets it)."""
+    judged = slo is not None or bool(class_slo)
     rows, results = [], []
     for v in spec.values:
         wl = dict(workload)
@@ -83,7 +95,8 @@ def sweep(spec: SweepSpec, config: EngineConfig, cost: CostModel, workload: dict
                      "output_tokens_per_s": s["output_tokens_per_s"],
                      "e2e_p50_ms": s["latency"]["e2e_ms"]["p50"], "e2e_p99_ms": p99,
                      "ttft_p99_ms": s["latency"]["ttft_ms"]["p99"], "completed": done,
-                     "meets_slo": p99 is not None and (slo_ms is None or p99 <= slo_ms) and done >= 0.99})
+                     "meets_slo": done >= 0.99 and (slo_ms is None or (p99 is not None and p99 <= slo_ms))
+                     and (not judged or (s["goodput_frac"] or 0.0) >= target)})
     ok = [r for r in rows if r["meets_slo"]]
     key = (lambda r: r["rate"]) if spec.field == "rate" else (lambda r: (r["goodput_rps"], -r["e2e_p99_ms"]))
     return rows, (max(ok, key=key) if ok else None), results
@@ -141,8 +154,16 @@ def padding_note(stats: dict[str, Any], paid: bool = False) -> str:
             "numbers above are better than a padded implementation's (--pay-padding costs them)")
 
 
-def format_sweep(spec: SweepSpec, rows: list[dict[str, Any]], best: dict[str, Any] | None, slo_ms: float) -> str:
-    out = [f"| {spec.field} | req/s | goodput | tok/s | E2E p50 ms | E2E p99 ms | meets SLO {slo_ms:.0f} ms |",
+def criterion(slo_ms: float | None, judged: bool, target: float) -> str:
+    """What `sweep` asks of a run to meet the SLO, in words."""
+    parts = ["99% completed"] + ([f"E2E P99 <= {slo_ms:.0f} ms"] if slo_ms is not None else []) + \
+        ([f"attainment >= {100 * target:g}%"] if judged else [])
+    return ", ".join(parts)
+
+
+def format_sweep(spec: SweepSpec, rows: list[dict[str, Any]], best: dict[str, Any] | None, meets: str) -> str:
+    """The sweep as a table; `meets`: `criterion`'s words."""
+    out = [f"| {spec.field} | req/s | goodput | tok/s | E2E p50 ms | E2E p99 ms | meets SLO ({meets}) |",
            "|---|---|---|---|---|---|---|"]
     for r in rows:
         p50 = "-" if r["e2e_p50_ms"] is None else f"{r['e2e_p50_ms']:.0f}"
@@ -150,7 +171,7 @@ def format_sweep(spec: SweepSpec, rows: list[dict[str, Any]], best: dict[str, An
         mark = " **best**" if r is best else ""
         out.append(f"| {r[spec.field]:g} | {r['throughput_rps']:.2f} | {r['goodput_rps']:.2f} | "
                    f"{r['output_tokens_per_s']:.0f} | {p50} | {p99} | {'yes' if r['meets_slo'] else 'no'}{mark} |")
-    out.append(f"best {spec.field}: {best[spec.field]:g}" if best else f"no setting meets the SLO of {slo_ms:.0f} ms")
+    out.append(f"best {spec.field}: {best[spec.field]:g}" if best else f"no setting meets the SLO ({meets})")
     return "\n".join(out)
 
 
@@ -183,12 +204,24 @@ def run_cli(a: Any, config: EngineConfig) -> int:
     limit = None if a.slo and a.slo_ms is None else slo
     if not 0 < a.target_attainment <= 100:
         raise ConfigError(f"--target-attainment is a percentage in (0, 100], got {a.target_attainment:g}")
-    arrival_kw: dict[str, Any] = json.loads(a.arrival_args) if a.arrival_args else {}
+    for flag, v in (("--rate", a.rate), ("--scale", a.scale), ("--time-scale", a.time_scale)):
+        if v is not None and not (v > 0 and math.isfinite(v)):
+            raise ConfigError(f"{flag} must be a finite number > 0, got {v:g}")
+    if a.requests is not None and a.requests < 0:
+        raise ConfigError(f"--requests must be >= 0 (0: the whole trace), got {a.requests}")
+    if a.time_scale is not None and (a.rate is not None or a.find_max_goodput):
+        raise ConfigError("--time-scale replays a trace's own timing scaled: not with --rate or --find-max-goodput")
+    arrival_kw: dict[str, Any] = parse_arrival_args(a.arrival_args)
     if a.burstiness is not None:
         arrival_kw["burstiness"] = a.burstiness
-    workload = {"name_or_file": a.trace or a.workload, "n": a.requests or DEFAULT_REQUESTS,
-                "rate": 0.0 if a.time_scale is not None else a.rate, "seed": a.seed, "arrival": a.arrival,
-                "scale": a.scale, "trace_format": a.trace_format, "time_scale": a.time_scale, **arrival_kw}
+    name = a.trace or a.workload
+    # a trace replays its own timing unless a rate is asked for (or searched from)
+    own_timing = a.time_scale is not None or (a.rate is None and name not in MIXES and a.arrival in (None, "replay")
+                                              and not a.find_max_goodput)
+    rate = 0.0 if own_timing else a.rate if a.rate is not None else DEFAULT_RATE
+    workload = {"name_or_file": name, "n": a.requests or DEFAULT_REQUESTS, "rate": rate, "seed": a.seed,
+                "arrival": a.arrival, "scale": a.scale, "trace_format": a.trace_format, "time_scale": a.time_scale,
+                **arrival_kw}
     meta = {"label": f"sim {config.scheduler.policy}", "cost": cost.describe(), "workload": workload["name_or_file"],
             "requests": workload["n"], "seed": a.seed, "arrival": a.arrival, "arrival_args": arrival_kw,
             "scale": a.scale, "slo_ms": limit, "slo": glob.targets() if glob else {},
@@ -210,14 +243,15 @@ def run_cli(a: Any, config: EngineConfig) -> int:
         return 0
     if a.sweep:
         spec = SweepSpec.parse(a.sweep)
-        rows, best, results = sweep(spec, config, cost, workload, slo, glob, per)
-        print(format_sweep(spec, rows, best, slo))
+        target = a.target_attainment / 100.0
+        rows, best, results = sweep(spec, config, cost, workload, slo, glob, per, target)
+        print(format_sweep(spec, rows, best, criterion(slo, glob is not None or bool(per), target)))
         if a.out:
             if spec.field == "rate":
                 write_outputs(a.out, list(zip(spec.values, results)), meta)
             else:
                 for v, res in zip(spec.values, results):
-                    write_outputs(os.path.join(a.out, f"{spec.field}_{v:g}"), [(a.rate, res)],
+                    write_outputs(os.path.join(a.out, f"{spec.field}_{v:g}"), [(rate_of_run(res.records), res)],
                                   {**meta, "label": f"{meta['label']} {spec.field}={v:g}"})
             os.makedirs(a.out, exist_ok=True)
             with open(os.path.join(a.out, "sweep.json"), "w") as f:
@@ -227,7 +261,9 @@ def run_cli(a: Any, config: EngineConfig) -> int:
         return 0
     items = make_workload(**workload)
     res = simulate(config, cost, items, slo_ms=limit, token_times=a.token_times, slo=glob, class_slo=per)
-    at = f"time scale {a.time_scale:g}" if a.time_scale is not None else f"{a.rate:g} req/s"
+    offered = rate_of_run(res.records)
+    at = (f"time scale {a.time_scale:g}" if a.time_scale is not None else "its own timing" if own_timing
+          else f"{rate:g} req/s") + (f" ({offered:.3g} req/s offered)" if own_timing else "")
     print(format_summary(res.summary, f"{workload['name_or_file']} x {len(items)} at {at}, "
                                       f"policy {config.scheduler.policy}, {cost.name}"))
     busy = res.busy_s / max(res.summary["duration_s"], 1e-9)
@@ -235,6 +271,7 @@ def run_cli(a: Any, config: EngineConfig) -> int:
     if res.engine_stats.get("padding_tokens"):
         print(padding_note(res.engine_stats, config.scheduler.pay_padding))
     if a.out:
-        print(f"wrote {write_outputs(a.out, [(a.rate, res)], meta)} and the records, table and plots",
+        print(f"wrote {write_outputs(a.out, [(offered if own_timing else rate, res)], meta)} and the records, "
+              "table and plots",
               file=sys.stderr)
     return 0

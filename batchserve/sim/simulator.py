@@ -87,8 +87,9 @@ class Simulator:
         loop = SimLoop([self.node], items, _only_node, token_times=self.token_times,
                        idle_poll_s=self.idle_poll_s, max_idle_polls=self.max_idle_polls, on_step=on_step)
         order = loop.run()
-        duration = span_s(order) if order else 0.0
-        summary = summarize(order, duration, self.slo_ms, self.slo, self.class_slo) if duration > 0 else {}
+        # a run whose every request was refused at once spans no time: its rates are 0, not undefined
+        duration = max(span_s(order), 1e-9) if order else 0.0
+        summary = summarize(order, duration, self.slo_ms, self.slo, self.class_slo) if order else {}
         return SimResult(order, summary, ex.num_steps, ex.busy_time, time.perf_counter() - wall0,
                          timeline, batches, engine_stats(self.engine, ex))
 
