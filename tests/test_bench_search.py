@@ -77,6 +77,23 @@ def test_bench_find_max_goodput_writes_the_search(tmp_path, monkeypatch):
     assert "max goodput:" in table and "ttft_ms <= 500" in table and "attain" in table
 
 
+def test_a_trace_at_its_own_timing_is_labelled_by_the_rate_it_offers(tmp_path, monkeypatch, capsys):
+    from batchserve.bench import client as bench_client
+    from batchserve.bench.workload import make_workload
+
+    monkeypatch.setattr(bench_client, "run", _fake_run(capacity=20.0))
+    cfg = ClientConfig("http://fake", progress=False)
+    path = bench_cli.run_sweep(cfg, "burstgpt", 40, [0.0], str(tmp_path), label="fake", plot=False,
+                               class_slo={"API": SLO(e2e_ms=1000.0)})
+    items = make_workload("burstgpt", 40, 0.0)
+    offered = float(f"{40 / items[-1].arrival:.3g}")
+    assert [e["rate"] for e in json.load(open(path))["runs"]] == [offered]
+    assert (tmp_path / f"records_r{offered:g}.jsonl").exists()
+    err = capsys.readouterr().err
+    assert f"at its own timing ({offered:g} req/s)" in err
+    assert "warning: --slo for class 'API': no request has it (the classes: api, conversation)" in err
+
+
 def test_bench_warns_when_the_run_ends_before_the_last_arrival(tmp_path, monkeypatch, capsys):
     from batchserve.bench import client as bench_client
 
@@ -135,3 +152,19 @@ def test_search_stops_halving_and_flags_noisy_probes():
     clean = [{"rate": r, "attainment": a} for r, a in ((1.0, 1.0), (2.0, 0.95), (4.0, 0.2))]
     assert "WARNING" not in search_line({"target_attainment": 0.9, "best_rate": 2.0, "bracketed": True,
                                          "goodput_rps": 1.9, "probes": clean})
+
+
+def test_a_search_answer_measured_on_one_burst_is_flagged(capsys):
+    """Too few requests for the rate found: all sent before the first answer, so the probe
+    measured a burst, and the answer says so."""
+    from batchserve.bench.search import one_burst
+    from batchserve.cli import main
+
+    burst = [RequestRecord(f"r{i}", send_time=0.01 * i, end_time=1.0 + i, status=200) for i in range(4)]
+    paced = [RequestRecord(f"r{i}", send_time=1.0 * i, end_time=1.0 * i + 0.5, status=200) for i in range(4)]
+    assert one_burst(burst) and not one_burst(paced) and not one_burst([])
+    base = ["simulate", "--workload", "chat", "--find-max-goodput", "--rate", "1", "--target-attainment", "90"]
+    assert main(base + ["--requests", "8", "--slo", "e2e_ms=20000"]) == 0
+    assert "WARNING: at that rate every request was sent before the first answer" in capsys.readouterr().out
+    assert main(base + ["--requests", "300", "--slo", "e2e_ms=5000"]) == 0
+    assert "WARNING" not in capsys.readouterr().out

@@ -209,7 +209,28 @@ def test_a_bad_fit_is_warned_about():
     prof.update(model="fake", device="cpu", dtype="float32", num_blocks=10, block_size=16,
                 max_batch_by_context={"16": 10})
     text = report(prof)
-    assert "WARNING: fit error is large" in text and "knee: batch" in text and "--max-num-seqs" in text
+    assert "WARNING: fit error is large" in text and "knee: " in text and "--max-num-seqs" in text
+
+
+def test_the_report_says_when_no_knee_was_reached_and_when_there_is_no_spread():
+    """A knee at the largest batch measured is a lower bound, not a knee; with one round
+    there is no spread to print."""
+    from batchserve.runner.profiler import report
+
+    def prof(tps: list[float], rounds: int) -> dict:
+        curve = [{"batch": b, "tokens_per_s": t, "spread": 0.05} for b, t in zip((1, 2, 4, 8), tps)]
+        from batchserve.runner.profiler import knee
+        return {"model": "fake", "device": "cpu", "dtype": "float32", "num_blocks": 10, "block_size": 16,
+                "fit": {"coef": {"const": 0.01}, "mean_rel_error": 0.01, "max_rel_error": 0.02},
+                "samples": [], "rounds": rounds, "max_batch_by_context": {"16": 10}, "decode_curves": {"16": curve},
+                "knee": {"batch": knee([1, 2, 4, 8], tps), "context_len": 16, "min_gain": 0.15}}
+
+    rising = report(prof([100, 190, 350, 600], 3))
+    assert "knee: none up to batch 8, the largest measured" in rising and "--max-num-seqs at least 8" in rising
+    assert "8: 600 (5%)" in rising
+    flat = report(prof([100, 190, 200, 205], 1))
+    assert "knee: batch 2 (no larger batch adds 15% or more" in flat and "--max-num-seqs 2," in flat
+    assert "8: 205," not in flat and "8: 205 (one round: no spread)" in flat
 
 
 def test_profiled_decodes_are_decodes_to_the_runner():

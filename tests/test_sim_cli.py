@@ -101,6 +101,13 @@ def test_bad_flags_fail_clearly(capsys) -> None:
         assert says in capsys.readouterr().err, bad
 
 
+def test_an_slo_for_a_class_no_request_has_is_warned_about(capsys) -> None:
+    assert main(["simulate", "--workload", "chat", "--requests", "20", "--slo", "chta:ttft_ms=100"]) == 0
+    assert "warning: --slo for class 'chta': no request has it (the classes: chat)" in capsys.readouterr().err
+    assert main(["simulate", "--workload", "chat", "--requests", "20", "--slo", "chat:ttft_ms=100"]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_a_file_that_is_not_a_profile_is_named(tmp_path, capsys) -> None:
     for text in ('{"samples": []}', "not json", '{"fit": {"coef": {}}}'):
         path = tmp_path / "p.json"

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from batchserve.bench.arrivals import parse_arrival_args
-from batchserve.bench.metrics import SLO, parse_slo_args, summarize
+from batchserve.bench.metrics import SLO, parse_slo_args, summarize, unmatched_classes
 from batchserve.bench.traces import FORMATS as TRACE_FORMATS
 from batchserve.bench.traces import SAMPLES as TRACE_SAMPLES
 from batchserve.bench.workload import MIXES, class_slos, make_workload, mix_classes
@@ -127,7 +127,7 @@ def run_sweep(cfg: ClientConfig, workload: str, requests: int, rates: list[float
     make_workload's, for a trace."""
     from batchserve.bench.client import run
     from batchserve.bench.report import RateRun, markdown_table, write_report
-    from batchserve.bench.search import find_max_rate, search_line
+    from batchserve.bench.search import find_max_rate, one_burst, search_line
 
     runs: list[RateRun] = []
     model = cfg.model
@@ -138,8 +138,13 @@ def run_sweep(cfg: ClientConfig, workload: str, requests: int, rates: list[float
         items = make_workload(workload, requests, rate, seed=seed, arrival=arrival, tokenizer=tokenizer,
                               scale=scale, trace_format=trace_format, time_scale=time_scale,
                               **(arrival_kwargs or {}))
-        print(f"{label}: {workload} at {rate:g} req/s: {len(items)} requests over {items[-1].arrival:.1f} s",
+        # a trace at its own timing (rate 0) is labelled by the rate it offers
+        offered = rate or float(f"{len(items) / max(items[-1].arrival - items[0].arrival, 1e-9):.3g}")
+        timing = f"{rate:g} req/s" if rate else f"its own timing ({offered:g} req/s)"
+        print(f"{label}: {workload} at {timing}: {len(items)} requests over {items[-1].arrival:.1f} s",
               file=sys.stderr)
+        if (warn := unmatched_classes(class_slo or {}, (w.cls for w in items))) is not None:
+            print(f"warning: {warn}", file=sys.stderr)
         if cfg.max_duration_s is not None and items[-1].arrival > cfg.max_duration_s:
             unsent = sum(w.arrival > cfg.max_duration_s for w in items)
             print(f"warning: --max-duration {cfg.max_duration_s:g} s ends the run before the last arrival: "
@@ -147,8 +152,8 @@ def run_sweep(cfg: ClientConfig, workload: str, requests: int, rates: list[float
         res = run(items, cfg)
         model = model or res.model
         summary = summarize(res.records, res.duration_s, slo_ms, slo, per_class)
-        runs.append(RateRun(rate, res.records, summary, res.timeline))
-        print(markdown_table([(label, rate, summary)]).split("\n\n")[0], file=sys.stderr)
+        runs.append(RateRun(offered, res.records, summary, res.timeline))
+        print(markdown_table([(label, offered, summary)]).split("\n\n")[0], file=sys.stderr)
         return summary
 
     info: dict[str, Any] = {}
@@ -160,6 +165,7 @@ def run_sweep(cfg: ClientConfig, workload: str, requests: int, rates: list[float
         best = next((r for r in runs if r.rate == found.best), None)
         info["search"] = {"target_attainment": search_target, "best_rate": found.best, "bracketed": found.bracketed,
                           "goodput_rps": best.summary["goodput_rps"] if best else None,
+                          "best_was_burst": best is not None and one_burst(best.records),
                           "probes": [{"rate": r, "attainment": a} for r, a in found.probes]}
         print(search_line(info["search"]), file=sys.stderr)
     info.update({"label": label, "url": cfg.url, "model": model, "workload": workload, "arrival": arrival,

@@ -74,6 +74,16 @@ class SLO:
         return {k: v for k in SLO_KEYS if (v := getattr(self, k)) is not None}
 
 
+def unmatched_classes(class_slo: Mapping[str, SLO], classes: Iterable[str]) -> str | None:
+    """A warning naming the classes given an SLO that no request has (a typo judges nothing),
+    or None."""
+    have = sorted(set(classes))
+    missing = sorted(set(class_slo) - set(have))
+    if not missing:
+        return None
+    return f"--slo for class {', '.join(map(repr, missing))}: no request has it (the classes: {', '.join(have)})"
+
+
 def parse_slo_args(values: Sequence[str]) -> tuple[SLO | None, dict[str, SLO]]:
     """`--slo` values: `key=ms,...` is the global SLO, `CLASS:key=ms,...` one class's.
     Returns (global, {class: SLO}); the last value given for a scope wins."""

@@ -15,7 +15,7 @@ Goodput at that rate is the caller's: it has the run.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +87,13 @@ def inversions(probes: list[tuple[float, float]], tol: float = NOISE) -> int:
     return sum(1 for r1, a1 in probes for r2, a2 in probes if r1 < r2 and a1 < a2 - tol)
 
 
+def one_burst(records: Sequence[Any]) -> bool:
+    """Every request was sent before the first answer ended: the run measured a burst of its
+    requests, not a rate the server sustains (too few requests for that rate)."""
+    ends = [r.end_time for r in records if r.end_time is not None]
+    return bool(records) and bool(ends) and max(r.send_time for r in records) <= min(ends)
+
+
 def search_line(search: dict[str, Any]) -> str:
     """One sentence: the rate `--find-max-goodput` found and its goodput, and whether its
     probes contradict each other (then the answer is only as good as the machine was quiet)."""
@@ -98,5 +105,7 @@ def search_line(search: dict[str, Any]) -> str:
         low = min(p["rate"] for p in search["probes"])
         return f"max goodput: no rate tried kept attainment >= {pct} (lowest tried {low:g} req/s){noisy}"
     bound = "" if search["bracketed"] else " (a lower bound: no failing rate was reached)"
+    burst = ("; WARNING: at that rate every request was sent before the first answer ended, a burst rather "
+             "than a sustained load: give more requests") if search.get("best_was_burst") else ""
     return (f"max goodput: {search['best_rate']:.3g} req/s keeps attainment >= {pct}, goodput "
-            f"{search['goodput_rps']:.3g} req/s{bound}; {len(search['probes'])} runs{noisy}")
+            f"{search['goodput_rps']:.3g} req/s{bound}; {len(search['probes'])} runs{noisy}{burst}")

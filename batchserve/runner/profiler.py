@@ -258,23 +258,30 @@ def report(prof: dict) -> str:
     its spread across rounds, the knee and what it means for --max-num-seqs, then warnings."""
     from batchserve.config import SchedulerConfig
 
-    f, k = prof["fit"], prof["knee"]
+    f, k, rounds = prof["fit"], prof["knee"], prof.get("rounds", 1)
     curve = prof["decode_curves"].get(str(k["context_len"]), [])
     lines = [f"model {prof['model']} on {prof['device']} ({prof['dtype']}), KV pool {prof['num_blocks']} blocks "
              f"x {prof['block_size']} tokens",
              "step time = " + " + ".join(f"{v * 1e3:.4g} ms x {t}" for t, v in f["coef"].items()),
              f"fit error: mean {f['mean_rel_error']:.1%}, max {f['max_rel_error']:.1%} over "
-             f"{len(prof['samples'])} steps, {prof.get('rounds', 1)} interleaved rounds each",
+             f"{len(prof['samples'])} steps, {rounds} interleaved rounds each",
              "max batch that fits the KV cache: " + ", ".join(
                  f"{v} at {c} tokens" for c, v in prof["max_batch_by_context"].items()),
              f"decode throughput at context {k['context_len']} (median tok/s, spread across rounds): " + ", ".join(
-                 f"{p['batch']}: {p['tokens_per_s']:.0f} ({p.get('spread', 0):.0%})" for p in curve),
-             f"knee: batch {k['batch']} (no larger batch adds {k.get('min_gain', 0.15):.0%} or more throughput)"]
+                 f"{p['batch']}: {p['tokens_per_s']:.0f}" + (f" ({p.get('spread', 0):.0%})" if rounds > 1 else "")
+                 for p in curve) + ("" if rounds > 1 else " (one round: no spread)")]
+    gain = k.get("min_gain", 0.15)
+    if curve and k["batch"] >= curve[-1]["batch"]:  # throughput never levelled off over the sizes measured
+        lines.append(f"knee: none up to batch {k['batch']}, the largest measured (each larger batch still added "
+                     f"{gain:.0%} or more throughput): the knee is at or past it")
+    else:
+        lines.append(f"knee: batch {k['batch']} (no larger batch adds {gain:.0%} or more throughput)")
     default = SchedulerConfig.max_num_seqs
     if k["batch"] != default:
+        at_least = "at least " if curve and k["batch"] >= curve[-1]["batch"] else ""
         lines.append(f"the engine's default --max-num-seqs is {default}, a fixed setting that no profile changes: "
-                     f"pass --max-num-seqs {k['batch']}, or --latency-profile FILE (the dynamic policy caps "
-                     "its batch at the knee)")
+                     f"pass --max-num-seqs {at_least}{k['batch']}, or --latency-profile FILE (the dynamic policy "
+                     "caps its batch at the knee)")
     lines += [f"WARNING: {w}" for w in prof.get("warnings", [])]
     return "\n".join(lines)
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from batchserve.bench.arrivals import parse_arrival_args
-from batchserve.bench.metrics import SLO, parse_slo_args
-from batchserve.bench.search import RateSearch, find_max_rate, search_line
+from batchserve.bench.metrics import SLO, parse_slo_args, unmatched_classes
+from batchserve.bench.search import RateSearch, find_max_rate, one_burst, search_line
 from batchserve.bench.workload import MIXES, WorkItem, class_slos, make_workload, mix_classes
 from batchserve.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
 from batchserve.sim.cost import CostModel, make_cost_model
@@ -198,8 +198,8 @@ def run_cli(a: Any, config: EngineConfig) -> int:
     cost = make_cost_model(a.hardware, a.profile, a.model, 4 if a.dtype == "float32" else 2, a.max_model_len,
                            **({"kv_cache_gb": kv_gb} if a.profile else {}))
     slo = a.slo_ms if a.slo_ms is not None else config.scheduler.slo_p99_ms
-    glob, per = parse_slo_args(a.slo or [])
-    per = {**class_slos(mix_classes(a.trace or a.workload)), **per}
+    glob, given = parse_slo_args(a.slo or [])
+    per = {**class_slos(mix_classes(a.trace or a.workload)), **given}
     # an explicit --slo replaces the engine's P99 target as goodput's E2E limit (--sweep still ranks by it)
     limit = None if a.slo and a.slo_ms is None else slo
     if not 0 < a.target_attainment <= 100:
@@ -234,6 +234,7 @@ def run_cli(a: Any, config: EngineConfig) -> int:
         best = runs.get(found.best) if found.best is not None else None
         meta["search"] = {"target_attainment": found.target, "best_rate": found.best, "bracketed": found.bracketed,
                           "goodput_rps": best.summary["goodput_rps"] if best else None,
+                          "best_was_burst": best is not None and one_burst(best.records),
                           "probes": [{"rate": r, "attainment": x} for r, x in found.probes]}
         print(search_line(meta["search"]))
         if best is not None:
@@ -260,8 +261,10 @@ def run_cli(a: Any, config: EngineConfig) -> int:
             print(f"wrote {a.out}/", file=sys.stderr)
         return 0
     items = make_workload(**workload)
+    if (warn := unmatched_classes(given, (w.cls for w in items))) is not None:
+        print(f"warning: {warn}", file=sys.stderr)
     res = simulate(config, cost, items, slo_ms=limit, token_times=a.token_times, slo=glob, class_slo=per)
-    offered = rate_of_run(res.records)
+    offered = float(f"{rate_of_run(res.records):.3g}")
     at = (f"time scale {a.time_scale:g}" if a.time_scale is not None else "its own timing" if own_timing
           else f"{rate:g} req/s") + (f" ({offered:.3g} req/s offered)" if own_timing else "")
     print(format_summary(res.summary, f"{workload['name_or_file']} x {len(items)} at {at}, "
