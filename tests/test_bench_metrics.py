@@ -127,3 +127,12 @@ def test_goodput_judges_each_class_by_its_own_slo_and_counts_failures_as_misses(
     assert goodput(recs, 4.0, SLO(tpot_ms=90.0))["n_good"] == 1  # r4 alone (r5 late for its deadline)
     # no SLO at all: every completed request within its deadline is good
     assert goodput(recs, 4.0)["n_good"] == 5
+
+
+def test_a_completed_request_with_no_first_token_seen_is_judged_by_its_end():
+    """A stream whose text stayed empty until it ended records no first token; its TTFT
+    target is judged at its end, not passed for want of a time."""
+    quiet = RequestRecord("q", send_time=0.0, end_time=3.0, output_tokens=4, status=200, finish_reason="stop")
+    assert quiet.ok and quiet.ttft is None
+    assert quiet.misses(SLO(ttft_ms=1000.0)) == ["ttft_ms"]
+    assert quiet.misses(SLO(ttft_ms=5000.0)) == []

@@ -100,11 +100,13 @@ def test_every_request_ends_once_and_both_pools_drain(decode_blocks: int | None)
         assert res.stages["decode"]["tokens_computed"] == sum(it.max_tokens - 1 for it in handed)
 
 
-def test_a_request_the_decode_pool_cannot_hold_is_refused_there() -> None:
+@pytest.mark.parametrize("seats", [8, 1])
+def test_a_request_the_decode_pool_cannot_hold_is_refused_there(seats: int) -> None:
     """A request whose prompt and output need more blocks than the whole decode pool does not
     wait for a seat forever: the decode engine refuses it after its first token, and both
-    pools drain."""
-    sim = CascadeSimulator(cascade_config(), A100, decode_blocks=10)
+    pools drain. With one decode seat, the hand-off behind it starts once the refusal frees
+    that seat."""
+    sim = CascadeSimulator(cascade_config(seats=seats), A100, decode_blocks=10)
     res = sim.run([WorkItem(0.0, 100, None, None, 4), WorkItem(0.0, 8, None, None, 4)])
     big, small = res.records
     assert big.first_token_time is not None and big.finish_reason == "error" and "KV" in big.error

@@ -114,6 +114,22 @@ def test_profiled_cost_evaluates_the_profile(tmp_path) -> None:
     assert apart.step_time(b) == pytest.approx(1.25 * want)
 
 
+def test_one_token_of_prompt_padding_is_a_prompt_chunk_not_a_decode(tmp_path) -> None:
+    """Paid padding: two prompts one token apart leave a one-token prompt row, which samples
+    nothing and is priced as a prompt chunk; a finished member's decode row samples."""
+    from batchserve.core.batch import PadRow
+
+    coef = {"const": 0.005, "prefill_token": 1e-4, "decode_seq": 1e-3, "prompt": 0.01, "mixed": 0.004}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"fit": {"coef": coef, "context_len": 128}, "num_blocks": 64}))
+    cost = make_cost_model(profile=str(path))
+    pre = prefill(10, sample=False).seqs
+    one, two = (cost.step_time(ScheduledBatch(pre, padding=[PadRow(9, n, False)])) for n in (1, 2))
+    assert one == pytest.approx(0.005 + 11e-4 + 0.01) and two - one == pytest.approx(1e-4)
+    dec = cost.step_time(ScheduledBatch(decode(2, 100).seqs, padding=[PadRow(50, 1, True)]))
+    assert dec == pytest.approx(0.005 + 3e-3)  # three decode rows, no prompt
+
+
 def test_a_profile_prices_the_prompt_path_and_mixed_steps(tmp_path) -> None:
     coef = {"const": 0.005, "decode_seq": 1e-3, "prompt": 0.01, "mixed": 0.004}
     path = tmp_path / "p.json"

@@ -162,7 +162,8 @@ class RequestRecord:
         `slo_ms` when it has none). Empty: the request is good."""
         if not self.ok:
             return ["failed"]
-        got = {"ttft_ms": self.ttft, "tpot_ms": self.tpot, "e2e_ms": self.e2e}
+        # a completed stream whose text was empty until its end recorded no first token: it came by the end
+        got = {"ttft_ms": self.ttft if self.ttft is not None else self.e2e, "tpot_ms": self.tpot, "e2e_ms": self.e2e}
         out = [k for k, limit in (slo.targets() if slo else {}).items()
                if got[k] is not None and got[k] * 1000.0 > limit + 1e-9]
         if not self.met_target(slo_ms):

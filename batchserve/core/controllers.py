@@ -112,7 +112,8 @@ Launch now, with those b, when any of
                                    behind it that misses is a long one, which waiting can seat
     a member would be late         one that meets its targets now would miss them by waiting
                                    for the next arrival: one gap longer, in a batch of b + 1
-    w_1 >= window_max              nobody waits for company longer than that
+    w_1 >= window_max              the first offered (the oldest of its group) waits no longer for
+                                   company; one held back behind the others waits for its turn
 
 where gap = max(mean arrival gap, time since the last arrival), so that a silence counts as
 the slowing it is. Otherwise wait for the next arrival, or until one of the rules would fire

@@ -147,6 +147,8 @@ class CascadeLoop(SimLoop):
             node.engine.kv.free(held_id(self._rec[job.index].id))
             self.incoming -= 1
         super()._admit(node, job, now)
+        if job.first_token is not None and self.waiting:  # a refused hand-off left its seat: the next may go
+            self._start_hand_offs(now)
 
     def _step_end(self, ev: Any) -> None:
         super()._step_end(ev)

@@ -263,8 +263,9 @@ def has_prompt(batch: ScheduledBatch) -> bool:
 
 
 def _decode_row(row: PadRow) -> bool:
-    """A paid padding row that is a decode (one token past position 0), not a prompt chunk."""
-    return row.num_tokens == 1 and row.start_pos > 0
+    """A paid padding row that is a decode (a finished member's row, which samples), not a
+    prompt's padding: one token of that is a prompt chunk too, when two prompts differ by one."""
+    return row.sample
 
 
 def make_cost_model(hardware: str | None = None, profile: str | None = None, model: str = "llama-2-7b",
