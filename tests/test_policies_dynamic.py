@@ -247,3 +247,31 @@ def test_the_overdue_factor_must_be_positive_and_finite():
     for bad in (0.0, -1.0, math.inf):
         with pytest.raises(ValueError, match="overdue_factor"):
             SchedulerConfig(policy="dynamic", overdue_factor=bad)
+
+
+def test_dynamic_prices_each_request_by_its_own_prompt():
+    """A short request that has waited 1.5 s of its 3 s target, with four 2,000-token prompts
+    queued behind it: by itself it ends in 0.27 s, in time, so it is not hopeless and goes
+    first; priced at the queue's mean prompt it would be sent behind the long ones."""
+    from types import SimpleNamespace as NS
+
+    from batchserve.core.policies.dynamic import DynamicPolicy
+
+    class Linear:  # 10 ms a step + 1 ms a token: prompts dominate
+        ready = True
+
+        def predict_step(self, tokens: int, seqs: int) -> float:
+            return 0.010 + 0.001 * tokens
+
+    now = 100.0
+
+    def waiting(rid: str, arrived: float, prompt: int) -> NS:
+        return NS(request_id=rid, arrival_time=arrived, num_prompt_tokens=prompt, max_tokens=20, deadline_ms=None)
+
+    queue = [waiting("short", now - 1.5, 50)] + [waiting(f"long{i}", now, 2000) for i in range(4)]
+    sched = NS(waiting=queue, latency=Linear(), config=NS(max_num_seqs=32, max_num_batched_tokens=8192))
+    pol = DynamicPolicy(SchedulerConfig(policy="dynamic", max_batch=32, slo_p99_ms=3000.0))
+    pol.mean_gap_s, pol.last_arrival = 0.5, now
+    pol.update_controls(sched, now)
+    assert [q.request_id for q in (pol.offered or queue)][0] == "short"
+    assert pol.plan.launch and pol.plan.size == 1  # it goes now, alone: with a long prompt it would miss

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from itertools import islice
+from itertools import accumulate, islice
 from typing import TYPE_CHECKING, Callable, Iterable
 
 from batchserve.config import SchedulerConfig
@@ -105,23 +105,26 @@ class DynamicPolicy(RequestLevelPolicy):
                 steps[tokens, seqs] = sched.latency.predict_step(tokens, seqs)
             return steps[tokens, seqs]
 
-        def fitted(b: int, lengths: list[int]) -> BatchTimes:
-            """F, D, B of b members with these output lengths, scaled by the fit."""
-            t = batch_times(step, b, prompt, lengths, budget)
+        def fitted(b: int, lengths: list[int], prompt_len: float = prompt) -> BatchTimes:
+            """F, D, B of b members with these output lengths and mean prompt, scaled by the fit."""
+            t = batch_times(step, b, prompt_len, lengths, budget)
             return BatchTimes(fit * t.first, fit * t.decode, fit * t.total)
 
         def times_of(members: list[Request]) -> Callable[[int], BatchTimes]:
-            """F, D, B of a batch of the first b of `members`, scaled by the fit."""
+            """F, D, B of a batch of the first b of `members` (their prompts, their max_tokens),
+            scaled by the fit."""
             memo: dict[int, BatchTimes] = {}
+            sums = list(accumulate(r.num_prompt_tokens for r in members))
 
             def times(b: int) -> BatchTimes:
                 if b not in memo:
-                    memo[b] = fitted(b, expected_lengths([r.max_tokens for r in members[:b]], outs))
+                    p = sums[min(b, len(sums)) - 1] / min(b, len(sums))
+                    memo[b] = fitted(b, expected_lengths([r.max_tokens for r in members[:b]], outs), p)
                 return memo[b]
             return times
 
         queue = head
-        alone = [fitted(1, expected_lengths([r.max_tokens], outs)).total for r in head]
+        alone = [fitted(1, expected_lengths([r.max_tokens], outs), r.num_prompt_tokens).total for r in head]
         back = hopeless_last(waits, e2e, alone, self.targets)
         head, waits, e2e, alone = ([xs[i] for i in back] for xs in (head, waits, e2e, alone))
         times = times_of(head)
