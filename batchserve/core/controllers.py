@@ -22,7 +22,7 @@ targets in that batch when every target that is set holds:
     w + F(b) <= ttft,   D(b) <= tpot,   w + B(b) <= e2e     (e2e: the tighter of the SLO and its deadline)
 
 Who. A waiting request is hopeless when it misses its end-to-end target even alone, w + B_i(1) >
-e2e with B_i(1) the time of a batch of it by itself (its own expected output, l_1 above), and is
+e2e with B_i(1) the time of a batch of it by itself (its own prompt and expected output), and is
 not overdue (below). Every rule that follows reads the queue with the hopeless moved behind the
 others, in queue order: at the head, one long output would price every batch at its length, so
 the sizes would shrink to 1 and each batch would end too late for all its members. A request is
