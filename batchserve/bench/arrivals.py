@@ -25,7 +25,6 @@ mapped through the inverse of the cumulative intensity, so no gap is ever invent
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -113,16 +112,3 @@ def make_arrivals(kind: str, n: int, rate: float, rng: np.random.Generator, **kw
     if rate <= 0:
         raise ValueError(f"rate must be > 0, got {rate}")
     return ARRIVALS[kind](n, rate, rng, **kwargs)
-
-
-def parse_arrival_args(text: str | None) -> dict[str, object]:
-    """`--arrival-args`: a JSON object of the arrival process's parameters ({} for none)."""
-    if not text:
-        return {}
-    try:
-        kw = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--arrival-args: not JSON: {e}") from None
-    if not isinstance(kw, dict):
-        raise ValueError(f"--arrival-args: expected a JSON object of parameters, got {text!r}")
-    return kw

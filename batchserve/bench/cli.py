@@ -20,11 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from batchserve.bench.arrivals import parse_arrival_args
 from batchserve.bench.metrics import SLO, parse_slo_args, summarize, unmatched_classes
 from batchserve.bench.traces import FORMATS as TRACE_FORMATS
 from batchserve.bench.traces import SAMPLES as TRACE_SAMPLES
-from batchserve.bench.workload import MIXES, class_slos, make_workload, mix_classes
+from batchserve.bench.workload import MIXES, class_slos, make_workload, mix_classes, parse_arrival_args
 
 if TYPE_CHECKING:
     from batchserve.bench.client import ClientConfig

@@ -231,6 +231,22 @@ def assign_classes(items: Sequence[WorkItem], classes: Sequence[RequestClass], r
     return out
 
 
+def json_object(text: str, where: str, what: str) -> dict[str, Any]:
+    """`text` parsed as a JSON object, or a ValueError saying `where` and what was expected."""
+    try:
+        x = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not JSON: {e}") from None
+    if not isinstance(x, dict):
+        raise ValueError(f"{where}: expected a JSON object ({what}), got {text.strip()[:40]!r}")
+    return x
+
+
+def parse_arrival_args(text: str | None) -> dict[str, Any]:
+    """`--arrival-args`: a JSON object of the arrival process's parameters ({} for none)."""
+    return json_object(text, "--arrival-args", "the arrival's parameters") if text else {}
+
+
 def trace_number(path: str, line: int, value: Any, name: str, least: float | None = None) -> float:
     """A trace cell as a finite float (at least `least` when given), or a ValueError naming
     the file, line and field: a trace is user input, and an infinite or NaN time would stall
@@ -287,13 +303,7 @@ def _from_trace(path: str, n: int, rate: float, rng: np.random.Generator, arriva
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
             if line.strip():
-                try:
-                    r = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{lineno}: not JSON: {e}") from None
-                if not isinstance(r, dict):
-                    raise ValueError(f"{path}:{lineno}: expected a JSON object (one request), got {line.strip()[:40]!r}")
-                rows.append((lineno, r))
+                rows.append((lineno, json_object(line, f"{path}:{lineno}", "one request")))
             if 0 < n <= len(rows):
                 break
     if not rows:

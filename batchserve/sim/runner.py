@@ -16,10 +16,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from batchserve.bench.arrivals import parse_arrival_args
 from batchserve.bench.metrics import SLO, parse_slo_args, unmatched_classes
 from batchserve.bench.search import RateSearch, find_max_rate, one_burst, search_line
-from batchserve.bench.workload import MIXES, WorkItem, class_slos, make_workload, mix_classes
+from batchserve.bench.workload import MIXES, WorkItem, class_slos, make_workload, mix_classes, parse_arrival_args
 from batchserve.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
 from batchserve.sim.cost import CostModel, make_cost_model
 from batchserve.sim.simulator import SimResult, Simulator
