@@ -23,7 +23,7 @@ import httpx
 from batchserve.bench.metrics import SLO, parse_slo_args, summarize, unmatched_classes
 from batchserve.bench.traces import FORMATS as TRACE_FORMATS
 from batchserve.bench.traces import SAMPLES as TRACE_SAMPLES
-from batchserve.bench.workload import MIXES, class_slos, make_workload, mix_classes, parse_arrival_args
+from batchserve.bench.workload import MIXES, class_slos, make_workload, mix_classes, offered_rate, parse_arrival_args
 
 if TYPE_CHECKING:
     from batchserve.bench.client import ClientConfig
@@ -138,7 +138,7 @@ def run_sweep(cfg: ClientConfig, workload: str, requests: int, rates: list[float
                               scale=scale, trace_format=trace_format, time_scale=time_scale,
                               **(arrival_kwargs or {}))
         # a trace at its own timing (rate 0) is labelled by the rate it offers
-        offered = rate or float(f"{len(items) / max(items[-1].arrival - items[0].arrival, 1e-9):.3g}")
+        offered = rate or float(f"{offered_rate([w.arrival for w in items]):.3g}")
         timing = f"{rate:g} req/s" if rate else f"its own timing ({offered:g} req/s)"
         print(f"{label}: {workload} at {timing}: {len(items)} requests over {items[-1].arrival:.1f} s",
               file=sys.stderr)

@@ -231,6 +231,12 @@ def assign_classes(items: Sequence[WorkItem], classes: Sequence[RequestClass], r
     return out
 
 
+def offered_rate(arrivals: Sequence[float]) -> float:
+    """Requests per second over first to last arrival (0 when they all came at once)."""
+    span = max(arrivals) - min(arrivals) if arrivals else 0.0
+    return len(arrivals) / span if span > 0 else 0.0
+
+
 def json_object(text: str, where: str, what: str) -> dict[str, Any]:
     """`text` parsed as a JSON object, or a ValueError saying `where` and what was expected."""
     try:

@@ -271,14 +271,15 @@ def report(prof: dict) -> str:
                  f"{p['batch']}: {p['tokens_per_s']:.0f}" + (f" ({p.get('spread', 0):.0%})" if rounds > 1 else "")
                  for p in curve) + ("" if rounds > 1 else " (one round: no spread)")]
     gain = k.get("min_gain", 0.15)
-    if curve and k["batch"] >= curve[-1]["batch"]:  # throughput never levelled off over the sizes measured
+    open_ended = bool(curve) and k["batch"] >= curve[-1]["batch"]  # throughput never levelled off
+    if open_ended:
         lines.append(f"knee: none up to batch {k['batch']}, the largest measured (each larger batch still added "
                      f"{gain:.0%} or more throughput): the knee is at or past it")
     else:
         lines.append(f"knee: batch {k['batch']} (no larger batch adds {gain:.0%} or more throughput)")
     default = SchedulerConfig.max_num_seqs
     if k["batch"] != default:
-        at_least = "at least " if curve and k["batch"] >= curve[-1]["batch"] else ""
+        at_least = "at least " if open_ended else ""
         lines.append(f"the engine's default --max-num-seqs is {default}, a fixed setting that no profile changes: "
                      f"pass --max-num-seqs {at_least}{k['batch']}, or --latency-profile FILE (the dynamic policy "
                      "caps its batch at the knee)")

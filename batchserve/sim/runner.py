@@ -18,7 +18,8 @@ from typing import Any, Sequence
 
 from batchserve.bench.metrics import SLO, parse_slo_args, unmatched_classes
 from batchserve.bench.search import RateSearch, find_max_rate, one_burst, search_line
-from batchserve.bench.workload import MIXES, WorkItem, class_slos, make_workload, mix_classes, parse_arrival_args
+from batchserve.bench.workload import (MIXES, WorkItem, class_slos, make_workload, mix_classes, offered_rate,
+                                       parse_arrival_args)
 from batchserve.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
 from batchserve.sim.cost import CostModel, make_cost_model
 from batchserve.sim.simulator import SimResult, Simulator
@@ -28,13 +29,6 @@ SWEEP_ALIASES = {"window": "window_ms", "max-batch": "max_batch", "batch": "max_
 DEFAULT_REQUESTS = 1000
 DEFAULT_RATE = 10.0  # req/s of a mix, or of a trace given another arrival process
 TOKEN_TIMES_LIMIT = 20_000  # above this many requests per-token times are not kept (memory)
-
-
-def rate_of_run(records: Sequence[Any]) -> float:
-    """Offered requests per second: how many, over first to last send (0 for one request)."""
-    sends = [r.send_time for r in records]
-    span = max(sends) - min(sends) if sends else 0.0
-    return len(sends) / span if span > 0 else 0.0
 
 
 def simulate(config: EngineConfig, cost: CostModel, items: Sequence[WorkItem], slo_ms: float | None = None,
@@ -251,7 +245,8 @@ def run_cli(a: Any, config: EngineConfig) -> int:
                 write_outputs(a.out, list(zip(spec.values, results)), meta)
             else:
                 for v, res in zip(spec.values, results):
-                    write_outputs(os.path.join(a.out, f"{spec.field}_{v:g}"), [(rate_of_run(res.records), res)],
+                    offered = offered_rate([r.send_time for r in res.records])
+                    write_outputs(os.path.join(a.out, f"{spec.field}_{v:g}"), [(offered, res)],
                                   {**meta, "label": f"{meta['label']} {spec.field}={v:g}"})
             os.makedirs(a.out, exist_ok=True)
             with open(os.path.join(a.out, "sweep.json"), "w") as f:
@@ -263,7 +258,7 @@ def run_cli(a: Any, config: EngineConfig) -> int:
     if (warn := unmatched_classes(given, (w.cls for w in items))) is not None:
         print(f"warning: {warn}", file=sys.stderr)
     res = simulate(config, cost, items, slo_ms=limit, token_times=a.token_times, slo=glob, class_slo=per)
-    offered = float(f"{rate_of_run(res.records):.3g}")
+    offered = float(f"{offered_rate([w.arrival for w in items]):.3g}")
     at = (f"time scale {a.time_scale:g}" if a.time_scale is not None else "its own timing" if own_timing
           else f"{rate:g} req/s") + (f" ({offered:.3g} req/s offered)" if own_timing else "")
     print(format_summary(res.summary, f"{workload['name_or_file']} x {len(items)} at {at}, "
