@@ -252,3 +252,27 @@ def test_percentile_and_buckets():
     assert length_bucket(100, 20) == length_bucket(127, 31) != length_bucket(128, 20)
     assert bucket_distance(length_bucket(10, 10), length_bucket(2000, 10)) > bucket_distance(
         length_bucket(10, 10), length_bucket(30, 10))
+
+
+def test_each_member_s_time_per_token_is_the_batch_s_decode_span_over_its_own_tokens():
+    now_t, t = BatchTimes(0.1, 0.01, 1.1), Targets(tpot=0.02)  # B - F = 1 s: 0.02 s a token from 51 tokens
+    # judged at one step's time everyone is on time; at their own lengths the 40-token one is late,
+    # and misses its time per token here, so it does not ride: a batch of its length would meet it
+    assert offer_order([0.0] * 3, [None] * 3, [101, 40, 300], now_t, t) == [0, 1, 2]
+    assert offer_order([0.0] * 3, [None] * 3, [101, 40, 300], now_t, t, lengths=[101, 40, 300]) == [0, 2]
+    # a one-token output has no time per token; its token is its result, held to the end (1.1 s)
+    ttft = Targets(ttft=0.5)
+    assert offer_order([0.0, 0.0], [None] * 2, [1, 5], now_t, ttft, lengths=[1, 5]) == [1, 0]  # late; rides
+    assert offer_order([0.0, 0.0], [None] * 2, [1, 5], now_t, ttft) == [0, 1]
+
+
+def test_a_tpot_target_groups_the_queue_by_output_length():
+    t = Targets(tpot=0.05)
+    lengths = [40, 4, 50, 5, 600, 33]
+    # buckets 6, 3, 6, 3, 10, 6: the head's first, then by distance, queue order within each
+    assert hopeless_last([0.0] * 6, [None] * 6, [0.1] * 6, t, lengths) == [0, 2, 5, 1, 3, 4]
+    assert hopeless_last([0.0] * 6, [None] * 6, [0.1] * 6, Targets(e2e=9.0), lengths) == [0, 1, 2, 3, 4, 5]
+    # the hopeless (0 and 3 miss 2 s even alone) stay behind, grouped by the length of the first
+    # one offered (1, 4 tokens): 3, of 5 tokens, before 0, of 40
+    both = Targets(tpot=0.05, e2e=2.0)
+    assert hopeless_last([1.5, 0.0, 0.0, 0.0], [2.0] * 4, [1.0, 0.1, 0.1, 3.0], both, [40, 4, 50, 5]) == [1, 2, 3, 0]

@@ -275,3 +275,22 @@ def test_dynamic_prices_each_request_by_its_own_prompt():
     pol.update_controls(sched, now)
     assert [q.request_id for q in (pol.offered or queue)][0] == "short"
     assert pol.plan.launch and pol.plan.size == 1  # it goes now, alone: with a long prompt it would miss
+
+
+def test_dynamic_a_tpot_target_keeps_short_outputs_out_of_long_batches(make_fake_engine):
+    """A member's result is held until its batch ends, so a 4-token output in a batch with a
+    40-token one gets 39 steps over its 3 tokens: with a TPOT target each member is priced at
+    its own length, the batches are grouped by it, and every member meets the target. Judged at
+    the longest member's step time instead, shorts and longs were batched in arrival order."""
+    eng = make_fake_engine(policy="dynamic", max_batch=32, window_max_ms=20.0, num_blocks=1024, slo_tpot_ms=30.0)
+    eng.executor = SizedFakeExecutor(1024)  # a decode step of b takes 4 + 2 b ms
+    warm(eng, out=40)
+    formed = members_of_each_batch(eng)
+    t = eng.clock.now() + 1.0
+    eng.clock.set(t)
+    arrivals = [(t + 0.001 * i, req(f"{'sl'[i % 2]}{i}", 4, (4, 40)[i % 2])) for i in range(20)]
+    done = drive(eng, arrivals)
+    assert len(done) == 20 and len(formed) >= 2
+    assert all(len({rid[0] for rid in ids}) == 1 for ids in formed)  # shorts and longs apart
+    tpot = {rid: (o.finish_time - o.first_token_time) / (len(o.token_ids) - 1) for rid, (o, _) in done.items()}
+    assert max(tpot.values()) <= 0.030

@@ -16,27 +16,40 @@ j/(b+1) quantile of recent output lengths, where an output cut at its max_tokens
 longer than any. A member leaves the steps when its output ends, so from l_j-1 to l_j the batch
 runs n_j rows, and its last result comes at l_b. Where outputs run to their max_tokens the
 lengths are exact; where they end well before it, they are the expected order statistics of b
-draws. The members are the first b offered (below). A request that has waited w meets its
-targets in that batch when every target that is set holds:
+draws. The members are the first b offered (below). A request that has waited w, whose own
+expected output is l (its max_tokens capped at the median recent output), meets its targets
+in that batch when every target that is set holds:
 
-    w + F(b) <= ttft,   D(b) <= tpot,   w + B(b) <= e2e     (e2e: the tighter of the SLO and its deadline)
+    w + F(b) <= ttft,   B(b) - F(b) <= tpot * (l - 1),   w + B(b) <= e2e
+
+(e2e: the tighter of the SLO and its own deadline). A member's result is held until the batch
+ends, so its time per token is the batch's decode span over its own tokens, not one step's
+time: a short output in a batch with a long one misses a TPOT target the long one meets. A
+one-token output has no time per token, and its one token reaches its caller at B(b), which
+the TTFT target then judges. A request of unknown length (a newcomer, or s below) is judged as
+the longest member: D(b) <= tpot.
 
 Who. A waiting request is hopeless when it misses its end-to-end target even alone, w + B_i(1) >
 e2e with B_i(1) the time of a batch of it by itself (its own prompt and expected output), and is
 not overdue (below). Every rule that follows reads the queue with the hopeless moved behind the
 others, in queue order: at the head, one long output would price every batch at its length, so
-the sizes would shrink to 1 and each batch would end too late for all its members. A request is
-late when it misses its targets even in the batch that would go now (of min(n, c) requests, n
-waiting; c below), that batch lasting at least its own B_i(1). The batch is offered to, in this
-order (queue order within each group):
+the sizes would shrink to 1 and each batch would end too late for all its members. With a TPOT
+target, each of the two parts is also grouped by output length: stable-sorted by the distance
+of each one's power-of-two bucket of l from the first one's, so the batch is of the head's
+length and the others wait for one of theirs (the head is the oldest, so every length gets
+its turn). A request is late when it misses its targets even in the batch that would go now
+(of min(n, c) requests, n waiting; c below), that batch lasting at least its own B_i(1). The
+batch is offered to, in this order (queue order within each group):
 
     overdue     late, and w >= k * its target (e2e, else ttft); k the overdue factor, 2 by default
     on time     not late
-    riders      late, and max_tokens <= the largest max_tokens of those on time
+    riders      late, max_tokens <= the largest max_tokens of those on time, and its time per
+                token within the target in this batch
 
 and d below counts them. The rest, late requests with a longer max_tokens, wait for a batch they
 do not lengthen: they would miss anyway, and with them the on-time members would wait for their
-last token, and everyone queued behind for the batch's end. A rider ends within the on-time
+last token, and everyone queued behind for the batch's end; so do the late whose time per token
+misses here, which a batch of their own length would meet. A rider ends within the on-time
 members' bound, so it costs them one more row a step; a request that has waited k times its
 target goes whatever it costs, so none waits without bound. A larger k holds the late back
 longer for the on-time ones: more requests in time, a longer tail; below 1 a late request goes
@@ -94,9 +107,9 @@ that is the right trade: holding late requests back keeps the on-time ones withi
 the queue drains when the burst ends. Once a request has waited k times its target (overdue),
 the load has outlasted that: the queue grows for as long as it lasts, and every request in it
 misses by more. So when p > s, someone is overdue, and a TTFT or end-to-end target is set (one
-that waiting breaks), c = p, the queue is offered in its own order (the hopeless behind), and
-the batch launches by the rules without targets: the fixed point that serves the most, until
-the backlog is gone. A TPOT target alone is not broken by waiting, so a backlog never
+that waiting breaks), c = p, the queue is offered in its own order (the hopeless behind; by
+length with a TPOT target), and the batch launches by the rules without targets: the fixed
+point that serves the most, until the backlog is gone. A TPOT target alone is not broken by waiting, so a backlog never
 outgrows it.
 
 Launch now, with those b, when any of
@@ -210,14 +223,16 @@ class Plan:
 
 def plan_batch(waits: Sequence[float], e2e: Sequence[float | None], times: Callable[[int], BatchTimes],
                cap: int, mean_gap_s: float | None, since_s: float, targets: Targets, window_max_s: float,
-               sized: tuple[int, bool] | None = None, newcomer: Callable[[int], BatchTimes] | None = None) -> Plan:
+               sized: tuple[int, bool] | None = None, newcomer: Callable[[int], BatchTimes] | None = None,
+               lengths: Sequence[int] = ()) -> Plan:
     """The control law in the module docstring. `waits` (seconds) and `e2e` (each request's
     end-to-end target, None for none) are the requests offered, in `offer_order`'s order, at
     least the first cap of them; `times(b)` gives F, D, B for a batch of b; the arrival gap is the
     larger of `mean_gap_s` (None: no arrivals seen) and `since_s`, the time since the last;
     `sized`: `batch_cap`'s answer when the caller has it (None: asked here, the offered
     requests taken as all that wait); `newcomer(k)`: F, D, B of a batch of k requests yet to
-    arrive, each as long as the longest recent output (None: none seen).
+    arrive, each as long as the longest recent output (None: none seen); `lengths`: the offered
+    requests' expected output lengths (the l of the targets; none: each judged as the longest).
 
     When it waits, `wait_s` is exact: with no arrival the plan first says launch then (the gap
     grows with the silence, so the batch comes to keep pace, or a member to be late)."""
@@ -227,7 +242,8 @@ def plan_batch(waits: Sequence[float], e2e: Sequence[float | None], times: Calla
     g = math.inf if mean_gap_s is None else mean_gap_s
     gap = arrival_gap(mean_gap_s, since_s)
     c, paced = sized if sized is not None else batch_cap(
-        times, cap, targets, gap, d, any(is_overdue(w, e, targets) for w, e in zip(waits, e2e)), waits, e2e)
+        times, cap, targets, gap, d, any(is_overdue(w, e, targets) for w, e in zip(waits, e2e)), waits, e2e,
+        lengths=lengths)
     size = min(d, c)
     now_t, next_t = times(size), times(min(size + 1, c))
     # the batch keeps pace once the gap reaches need: d >= B / gap; with targets, once a newcomer
@@ -239,8 +255,9 @@ def plan_batch(waits: Sequence[float], e2e: Sequence[float | None], times: Calla
         need = 0.0 if n >= c else math.inf if n == 0 else now_t.total / n
     else:
         need = now_t.total / d
-    members = [(w, e) for w, e in zip(waits[:size], e2e[:size]) if _meets(w, e, now_t, targets)]
-    margins = [_margin(w, e, next_t, targets) - gap for w, e in members]  # < 0: late
+    members = [(w, e, ln) for w, e, ln in zip(waits[:size], e2e[:size], _lens(lengths, size))
+               if _meets(w, e, now_t, targets, ln)]
+    margins = [_margin(w, e, next_t, targets, ln) - gap for w, e, ln in members]  # < 0: late
     launch = d >= c or gap >= need or any(m < 0 for m in margins) or waits[0] >= window_max_s
     if launch:
         return Plan(True, size, 0.0)
@@ -259,10 +276,10 @@ def arrival_gap(mean_gap_s: float | None, since_s: float) -> float:
 
 def batch_cap(times: Callable[[int], BatchTimes], top: int, targets: Targets, gap: float, queued: int,
               overdue: bool, waits: Sequence[float] = (), e2e: Sequence[float | None] = (),
-              long_gap: float = math.inf) -> tuple[int, bool]:
+              long_gap: float = math.inf, lengths: Sequence[int] = ()) -> tuple[int, bool]:
     """c of the control law, and whether the load puts the targets out of reach (c is then the
     pace size, larger than the targets allow). `queued`: how many wait in all; `overdue`: whether
-    one of them is overdue; `waits` and `e2e`: the waiting, as `plan_batch`
+    one of them is overdue; `waits`, `e2e` and `lengths`: the waiting, as `plan_batch`
     takes them (none: the rate counts newcomers only); `long_gap`: G, the long-run arrival gap
     (inf: no floor)."""
     s = slo_size(times, top, targets)
@@ -270,11 +287,11 @@ def batch_cap(times: Callable[[int], BatchTimes], top: int, targets: Targets, ga
         p = pace_size(times, top, gap, queued)
         if p > s:
             return p, True
-    return rate_size(times, s, targets, waits, e2e, floor_size(times, s, HEADROOM * long_gap)), False
+    return rate_size(times, s, targets, waits, e2e, floor_size(times, s, HEADROOM * long_gap), lengths), False
 
 
 def rate_size(times: Callable[[int], BatchTimes], top: int, targets: Targets, waits: Sequence[float],
-              e2e: Sequence[float | None], floor: int = 1) -> int:
+              e2e: Sequence[float | None], floor: int = 1, lengths: Sequence[int] = ()) -> int:
     """The control law's c: the argmax of good(b) / busy(b) over floor <= b <= top, the smallest
     on a tie and, where no size serves anyone in time, the one of most requests per second; top
     when no target is set or the model knows nothing. Where no size from the floor up serves
@@ -284,19 +301,20 @@ def rate_size(times: Callable[[int], BatchTimes], top: int, targets: Targets, wa
         return top
     floor = max(1, min(floor, top))
     d, best, key = len(waits), [top, top], [(-1.0, -1.0), (-1.0, -1.0)]  # below the floor, from it
+    ls = _lens(lengths, d)
     for b in range(1, top + 1):
         t = times(b)
         if t.total <= 0:
             return top
-        m = sum(1 for w, e in zip(waits, e2e) if _meets(w, e, t, targets))
+        m = sum(1 for w, e, ln in zip(waits, e2e, ls) if _meets(w, e, t, targets, ln))
         good, busy = min(b, m + max(0, b - d)), t.total
         if d > b:  # those it leaves go in the batch right after
             b2 = min(d - b, b)
             t2 = times(b2)
-            m2 = sum(1 for w, e in zip(waits, e2e) if _meets(w + t.total, e, t2, targets))
+            m2 = sum(1 for w, e, ln in zip(waits, e2e, ls) if _meets(w + t.total, e, t2, targets, ln))
             good, busy = good + min(b2, max(0, m2 - good)), busy + t2.total
         k, i = (good / busy, b / t.total), int(b >= floor)
-        if k > key[i] and (i or any(_meets(w, e, t, targets) for w, e in zip(waits[:b], e2e[:b]))):
+        if k > key[i] and (i or any(_meets(w, e, t, targets, ln) for w, e, ln in zip(waits[:b], e2e[:b], ls))):
             best[i], key[i] = b, k
     return best[0] if key[1][0] <= 0 < key[0][0] else best[1]
 
@@ -327,32 +345,41 @@ def _keeps_pace(times: Callable[[int], BatchTimes], b: int, gap: float, queued: 
 
 
 def hopeless_last(waits: Sequence[float], e2e: Sequence[float | None], alone: Sequence[float],
-                  targets: Targets) -> list[int]:
+                  targets: Targets, lengths: Sequence[int] = ()) -> list[int]:
     """The waiting requests' indices in queue order with the hopeless (the module docstring's
-    rule; `alone`: each one's B(1)) moved behind the others."""
+    rule; `alone`: each one's B(1)) moved behind the others. With a TPOT target and their
+    expected output `lengths`, each of the two is grouped by length: stable-sorted by how far
+    its power-of-two length bucket lies from that of the first one offered."""
     hopeless = [e is not None and w + a > e and not is_overdue(w, e, targets) for w, e, a in zip(waits, e2e, alone)]
-    return [i for i, h in enumerate(hopeless) if not h] + [i for i, h in enumerate(hopeless) if h]
+    order = [i for i, h in enumerate(hopeless) if not h] + [i for i, h in enumerate(hopeless) if h]
+    if targets.tpot is None or not lengths or not order:
+        return order
+    ref = max(1, lengths[order[0]]).bit_length()
+    return sorted(order, key=lambda i: (hopeless[i], abs(max(1, lengths[i]).bit_length() - ref)))
 
 
 def offer_order(waits: Sequence[float], e2e: Sequence[float | None], max_tokens: Sequence[int], now_t: BatchTimes,
-                targets: Targets, alone: Sequence[float] = ()) -> list[int]:
+                targets: Targets, alone: Sequence[float] = (), lengths: Sequence[int] = ()) -> list[int]:
     """Who is offered a place in the batch, as indices into the waiting requests (queue order),
     by the module docstring's rule: the overdue, the on-time, then the riders. `now_t`: the
     times of the batch that would go now; `alone`: each request's B(1), its batch's time by
-    itself (none: not counted)."""
+    itself (none: not counted); `lengths`: their expected output lengths (none: the longest)."""
     on: list[int] = []
     late: list[int] = []
-    for i, (w, e) in enumerate(zip(waits, e2e)):
+    paced: set[int] = set()  # whose time per token meets the target in this batch
+    for i, (w, e, ln) in enumerate(zip(waits, e2e, _lens(lengths, len(waits)))):
         t = now_t if i >= len(alone) else BatchTimes(now_t.first, now_t.decode, max(now_t.total, alone[i]))
-        (on if _meets(w, e, t, targets) else late).append(i)
+        (on if _meets(w, e, t, targets, ln) else late).append(i)
+        if _tpot_ok(t, targets, ln):
+            paced.add(i)
     if not on or not late:
         return list(range(len(waits)))
     bound = max(max_tokens[i] for i in on)
 
-    def overdue(i: int) -> bool:
-        return is_overdue(waits[i], e2e[i], targets)
+    def rides(i: int) -> bool:
+        return not is_overdue(waits[i], e2e[i], targets) and max_tokens[i] <= bound and i in paced
 
-    return [i for i in late if overdue(i)] + on + [i for i in late if not overdue(i) and max_tokens[i] <= bound]
+    return [i for i in late if is_overdue(waits[i], e2e[i], targets)] + on + [i for i in late if rides(i)]
 
 
 def is_overdue(w: float, e2e: float | None, targets: Targets) -> bool:
@@ -372,22 +399,46 @@ def _largest(ok: Callable[[int], bool], top: int) -> int:
     return lo
 
 
-def _margin(w: float, e2e: float | None, t: BatchTimes, targets: Targets) -> float:
-    """How much longer a request that has waited w could wait and still meet its targets in a
-    batch of times t (-inf where its time per token already misses)."""
-    if targets.tpot is not None and t.decode > targets.tpot:
+def _margin(w: float, e2e: float | None, t: BatchTimes, targets: Targets, length: int | None = None) -> float:
+    """How much longer a request that has waited w, of expected output `length` (None: the
+    longest member), could wait and still meet its targets in a batch of times t (-inf where
+    its time per token already misses)."""
+    if not _tpot_ok(t, targets, length):
         return -math.inf
     m = math.inf
     if targets.ttft is not None:
-        m = min(m, targets.ttft - w - t.first)
+        m = min(m, targets.ttft - w - _first(t, length))
     if e2e is not None:
         m = min(m, e2e - w - t.total)
     return m
 
 
-def _meets(w: float, e2e: float | None, t: BatchTimes, targets: Targets) -> bool:
-    return ((targets.ttft is None or w + t.first <= targets.ttft) and (targets.tpot is None or t.decode <= targets.tpot)
+def _meets(w: float, e2e: float | None, t: BatchTimes, targets: Targets, length: int | None = None) -> bool:
+    """Does a request that has waited w, of expected output `length` (None: the longest
+    member), meet its targets in a batch of times t?"""
+    return ((targets.ttft is None or w + _first(t, length) <= targets.ttft) and _tpot_ok(t, targets, length)
             and (e2e is None or w + t.total <= e2e))
+
+
+def _first(t: BatchTimes, length: int | None) -> float:
+    """When a member's first token reaches its caller: F, or B for a one-token output (its one
+    token is its result, held to the batch's end)."""
+    return t.total if length is not None and length < 2 else t.first
+
+
+def _tpot_ok(t: BatchTimes, targets: Targets, length: int | None) -> bool:
+    """A member's time per token, (B - F) / (l - 1) (its last token is held to the batch's end),
+    within the target; D(b) for the longest member (None)."""
+    if targets.tpot is None:
+        return True
+    if length is None:
+        return t.decode <= targets.tpot
+    return length < 2 or t.total - t.first <= targets.tpot * (length - 1)
+
+
+def _lens(lengths: Sequence[int], n: int) -> list[int | None]:
+    """`lengths` padded with None (judged as the longest member) to n."""
+    return [*lengths[:n], *[None] * (n - len(lengths))]
 
 
 def slo_size(times: Callable[[int], BatchTimes], top: int, targets: Targets) -> int:

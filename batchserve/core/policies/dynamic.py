@@ -12,7 +12,8 @@ place, whether to launch now, and with how many of them (`controllers.batch_cap`
   outputs run is the lengths' part, not the model's);
 - the targets the user set (`slo_ttft_ms`, `slo_tpot_ms`, `slo_p99_ms` end to end) and each
   request's own deadline. None is assumed when unset;
-- each waiting request's max_tokens, the bound on its output.
+- each waiting request's max_tokens, the bound on its output, and its expected output length
+  (with recent outputs), at which its own time per token and first token are judged.
 The cap is `max_batch`, and the profile's throughput knee when one is given. `window_max_ms`
 bounds how long a request waits for company.
 
@@ -124,28 +125,30 @@ class DynamicPolicy(RequestLevelPolicy):
             return times
 
         queue = head
-        alone = [fitted(1, expected_lengths([r.max_tokens], outs), r.num_prompt_tokens).total for r in head]
-        back = hopeless_last(waits, e2e, alone, self.targets)
-        head, waits, e2e, alone = ([xs[i] for i in back] for xs in (head, waits, e2e, alone))
+        own = [expected_lengths([r.max_tokens], outs)[0] for r in head]  # each one's expected output length
+        alone = [fitted(1, [n], r.num_prompt_tokens).total for n, r in zip(own, head)]
+        back = hopeless_last(waits, e2e, alone, self.targets, own)
+        head, waits, e2e, alone, own = ([xs[i] for i in back] for xs in (head, waits, e2e, alone, own))
         times = times_of(head)
 
         since = 0.0 if self.last_arrival is None else now - self.last_arrival
         overdue = any(is_overdue(w, e, self.targets) for w, e in zip(waits, e2e))
         gap, long_gap = arrival_gap(self.mean_gap_s, since), self._long_gap(now)
 
-        def size(times: Callable[[int], BatchTimes], waits: list[float], e2e: list[float | None]) -> tuple[int, bool]:
-            return batch_cap(times, cap, self.targets, gap, len(sched.waiting), overdue, waits, e2e, long_gap)
+        def size(times: Callable[[int], BatchTimes], waits: list[float], e2e: list[float | None],
+                 own: list[int]) -> tuple[int, bool]:
+            return batch_cap(times, cap, self.targets, gap, len(sched.waiting), overdue, waits, e2e, long_gap, own)
 
-        sized = size(times, waits, e2e)
+        sized = size(times, waits, e2e, own)
         c, paced = sized
         order = list(range(len(head))) if paced else offer_order(waits, e2e, [r.max_tokens for r in head],
-                                                                   times(min(len(head), c)), self.targets, alone)
+                                                                   times(min(len(head), c)), self.targets, alone, own)
         offered = [head[i] for i in order]
         self.offered = None if offered == queue else offered
-        waits, e2e = [waits[i] for i in order], [e2e[i] for i in order]
+        waits, e2e, own = [waits[i] for i in order], [e2e[i] for i in order], [own[i] for i in order]
         if order != list(range(len(head))):
             times = times_of(offered)
-            again = size(times, waits, e2e)
+            again = size(times, waits, e2e, own)
             sized = sized if again[1] else again
         newcomer = None
         if self.longest.values:  # a batch of requests yet to arrive, each as long as the longest recent output
@@ -154,7 +157,7 @@ class DynamicPolicy(RequestLevelPolicy):
             def newcomer(b: int) -> BatchTimes:
                 return fitted(b, [longest] * b)
         self.plan = plan_batch(waits, e2e, times, cap, self.mean_gap_s, since, self.targets,
-                               self.config.window_max_ms / 1000.0, sized, newcomer)
+                               self.config.window_max_ms / 1000.0, sized, newcomer, own)
         self.max_batch = max(1, self.plan.size)
         self.window_ms = 1000.0 * (waits[0] + self.plan.wait_s) if math.isfinite(self.plan.wait_s) else \
             self.config.window_max_ms
