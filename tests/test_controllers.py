@@ -269,10 +269,23 @@ def test_each_member_s_time_per_token_is_the_batch_s_decode_span_over_its_own_to
 def test_a_tpot_target_groups_the_queue_by_output_length():
     t = Targets(tpot=0.05)
     lengths = [40, 4, 50, 5, 600, 33]
-    # buckets 6, 3, 6, 3, 10, 6: the head's first, then by distance, queue order within each
-    assert hopeless_last([0.0] * 6, [None] * 6, [0.1] * 6, t, lengths) == [0, 2, 5, 1, 3, 4]
+    # the head first, then the others by the ratio of their length to its: 33, 50, 5, 4, 600
+    assert hopeless_last([0.0] * 6, [None] * 6, [0.1] * 6, t, lengths) == [0, 5, 2, 3, 1, 4]
     assert hopeless_last([0.0] * 6, [None] * 6, [0.1] * 6, Targets(e2e=9.0), lengths) == [0, 1, 2, 3, 4, 5]
     # the hopeless (0 and 3 miss 2 s even alone) stay behind, grouped by the length of the first
     # one offered (1, 4 tokens): 3, of 5 tokens, before 0, of 40
     both = Targets(tpot=0.05, e2e=2.0)
     assert hopeless_last([1.5, 0.0, 0.0, 0.0], [2.0] * 4, [1.0, 0.1, 0.1, 3.0], both, [40, 4, 50, 5]) == [1, 2, 3, 0]
+
+
+def test_with_lengths_no_batch_is_larger_than_its_shortest_member_s_time_per_token_allows():
+    lengths = [20, 22, 40, 200]  # in the order offered; a decode step takes 10 ms
+
+    def times(b: int) -> BatchTimes:
+        return BatchTimes(0.1, 0.01, 0.1 + 0.01 * (max(lengths[:b]) - 1))
+
+    t = Targets(tpot=0.015)
+    # with the 40-token one, the 20-token one gets 39 steps over 19 tokens (20.5 ms): the batch stops before it
+    assert slo_size(times, 4, t, lengths) == 2
+    assert slo_size(times, 4, t) == 4  # judged at one step's time, everything fits
+    assert slo_size(times, 4, Targets(tpot=0.025), lengths) == 3

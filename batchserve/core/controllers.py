@@ -34,10 +34,9 @@ e2e with B_i(1) the time of a batch of it by itself (its own prompt and expected
 not overdue (below). Every rule that follows reads the queue with the hopeless moved behind the
 others, in queue order: at the head, one long output would price every batch at its length, so
 the sizes would shrink to 1 and each batch would end too late for all its members. With a TPOT
-target, each of the two parts is also grouped by output length: stable-sorted by the distance
-of each one's power-of-two bucket of l from the first one's, so the batch is of the head's
-length and the others wait for one of theirs (the head is the oldest, so every length gets
-its turn). A request is late when it misses its targets even in the batch that would go now
+target, each of the two parts is also grouped by output length: stable-sorted by |log l -
+log l_1|, l_1 the first one's, so the batch is of the head's length and the others wait for
+one of theirs (the head is the oldest, so every length gets its turn). A request is late when it misses its targets even in the batch that would go now
 (of min(n, c) requests, n waiting; c below), that batch lasting at least its own B_i(1). The
 batch is offered to, in this order (queue order within each group):
 
@@ -65,7 +64,8 @@ takes (where the second finds the load out of reach, below, the first stands):
 
     c = argmax{ good(b) / busy(b) : f <= b <= s }     the smallest on a tie; with none good, of b / B(b)
     c = argmax{ good(b) / busy(b) : b < f, m(b) > 0 } where none from f up is good, and one below has m(b) > 0
-    s = max{ b <= cap : F(b) <= ttft, D(b) <= tpot, B(b) <= e2e }              (1 if none)
+    s = max{ b <= cap : F(b) <= ttft, D(b) <= tpot, B(b) <= e2e }              (1 if none; with
+        lengths, B(b) - F(b) <= tpot * (l - 1) for l the shortest of the first b offered)
     f = min{ b <= s : b >= B(b) / (h * G) }                                    keeps pace, or where none does
     f = min{ b <= s : b / B(b) >= h * max{ b' / B(b') : b' <= s } }            serves within h of the most
 
@@ -79,7 +79,8 @@ mean arrival gap over the last 30 s and h = 0.85. B(b2) prices the second batch 
 first b2 offered, not of the b2 it would hold, who are often the longer: a price that favours
 the split, and in simulation serves more requests in time through bursts than the exact one,
 which sends the long with the short. Past s every member misses, even one that has
-not waited. Below it, a larger batch takes more of the queue but runs longer: those who have
+not waited (with a TPOT target, the shortest member misses its time per token: no batch mixes
+lengths so far apart that one of them misses before it has waited). Below it, a larger batch takes more of the queue but runs longer: those who have
 waited may miss in it, and past the throughput knee its time grows as fast as its size. A
 smaller one serves the on-time first and leaves the rest for the next, which costs them a
 batch's wait: where batches cost about their size (a CPU past its knee) that split wins through
@@ -282,7 +283,7 @@ def batch_cap(times: Callable[[int], BatchTimes], top: int, targets: Targets, ga
     one of them is overdue; `waits`, `e2e` and `lengths`: the waiting, as `plan_batch`
     takes them (none: the rate counts newcomers only); `long_gap`: G, the long-run arrival gap
     (inf: no floor)."""
-    s = slo_size(times, top, targets)
+    s = slo_size(times, top, targets, lengths)
     if overdue and (targets.ttft is not None or targets.e2e is not None):
         p = pace_size(times, top, gap, queued)
         if p > s:
@@ -348,14 +349,14 @@ def hopeless_last(waits: Sequence[float], e2e: Sequence[float | None], alone: Se
                   targets: Targets, lengths: Sequence[int] = ()) -> list[int]:
     """The waiting requests' indices in queue order with the hopeless (the module docstring's
     rule; `alone`: each one's B(1)) moved behind the others. With a TPOT target and their
-    expected output `lengths`, each of the two is grouped by length: stable-sorted by how far
-    its power-of-two length bucket lies from that of the first one offered."""
+    expected output `lengths`, each of the two is grouped by length: stable-sorted by the
+    ratio of each one's length to the first one offered's (its log's distance)."""
     hopeless = [e is not None and w + a > e and not is_overdue(w, e, targets) for w, e, a in zip(waits, e2e, alone)]
     order = [i for i, h in enumerate(hopeless) if not h] + [i for i, h in enumerate(hopeless) if h]
     if targets.tpot is None or not lengths or not order:
         return order
-    ref = max(1, lengths[order[0]]).bit_length()
-    return sorted(order, key=lambda i: (hopeless[i], abs(max(1, lengths[i]).bit_length() - ref)))
+    ref = math.log(max(1, lengths[order[0]]))
+    return sorted(order, key=lambda i: (hopeless[i], abs(math.log(max(1, lengths[i])) - ref)))
 
 
 def offer_order(waits: Sequence[float], e2e: Sequence[float | None], max_tokens: Sequence[int], now_t: BatchTimes,
@@ -441,12 +442,17 @@ def _lens(lengths: Sequence[int], n: int) -> list[int | None]:
     return [*lengths[:n], *[None] * (n - len(lengths))]
 
 
-def slo_size(times: Callable[[int], BatchTimes], top: int, targets: Targets) -> int:
+def slo_size(times: Callable[[int], BatchTimes], top: int, targets: Targets, lengths: Sequence[int] = ()) -> int:
     """The largest b <= top whose batch meets the targets for a request that has not waited
-    (1 when none does): a larger batch would make every member miss."""
+    (1 when none does): a larger batch would make every member miss. With the members'
+    expected output `lengths` (those of the first b offered), for every one of them: a larger
+    batch would make its shortest miss its time per token."""
     if not targets.any:
         return top
-    return max(1, _largest(lambda b: _meets(0.0, targets.e2e, times(b), targets), top))
+
+    def ok(b: int) -> bool:
+        return _meets(0.0, targets.e2e, times(b), targets, min(lengths[:b]) if lengths else None)
+    return max(1, _largest(ok, top))
 
 
 class SortedWindow:

@@ -1,0 +1,147 @@
+"""Does the adaptive request-level policy keep a TPOT target as well as the best fixed setting?
+
+A request-level member's result is held until its batch ends, so its time per token is the
+batch's decode span over its own tokens: a short output batched with a long one misses a TPOT
+target that one decode step meets. Per workload, target and load, every (window, cap) point of
+the adaptive benchmark's grid runs `static`, and `dynamic` runs once with the same bounds and
+the target; all judged by goodput (requests within every target per second of offered traffic).
+Simulated on the roofline, deterministic per seed.
+
+    python -m benchmarks.adaptive_tpot [--out BENCHMARKS.md] [--json rows.json] [--before rows.json]
+
+`--before`: rows a run of an earlier version wrote with `--json`, shown beside as its column.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing
+import os
+import statistics
+import time
+from typing import Any
+
+from batchserve.bench.metrics import SLO
+from batchserve.scenarios.common import GPU, MODEL, engine
+from batchserve.sim.cost import RooflineCost
+from batchserve.sim.runner import simulate
+from benchmarks.adaptive import CAPS, SCALE, WINDOWS_MS, calibrate, goodput_of, held_out, ratio, workload
+from benchmarks.report_md import write_section
+
+SECTION = "A TPOT target under request-level batching"
+SHARES = (0.3, 0.7, 0.9)  # load: shares of the workload's capacity under the fixed 50 ms / 32 point
+CELLS = (  # (workload, TPOT target ms, end-to-end target as a multiple of the calibrated P99, or None)
+    ("short-long", 20.0, None), ("short-long", 40.0, None), ("chat", 20.0, None), ("chat", 40.0, None),
+    ("short-long", 40.0, 1.0),
+)
+
+
+def compare(mix: str, cap: float, p99: float, tpot_ms: float, e2e_x: float | None, share: float, n: int,
+            seeds: list[int]) -> dict[str, Any]:
+    """One cell: goodput (mean over seeds), attainment and worst P99 of every grid point and of
+    `dynamic`."""
+    cost = RooflineCost(GPU, MODEL)
+    e2e_ms = None if e2e_x is None else 100.0 * round(e2e_x * p99 / 100.0)
+    slo = SLO(tpot_ms=tpot_ms, e2e_ms=e2e_ms)
+    configs: dict[Any, Any] = {(w, c): engine("static", window_ms=w, max_batch=c) for w in WINDOWS_MS for c in CAPS}
+    configs["adaptive"] = engine("dynamic", max_batch=max(CAPS), window_max_ms=max(WINDOWS_MS),
+                                 slo_tpot_ms=tpot_ms, slo_p99_ms=e2e_ms)
+    good: dict[Any, list[float]] = {k: [] for k in configs}
+    att: dict[Any, list[float]] = {k: [] for k in configs}
+    worst = dict.fromkeys(configs, 0.0)
+    offered = 0.0
+    for seed in seeds:
+        items = workload(mix, n, share * cap, seed)
+        offered += len(items) / max(items[-1].arrival, 1e-9) / len(seeds)
+        for k, cfg in configs.items():
+            s = simulate(cfg, cost, items, slo=slo).summary
+            good[k].append(goodput_of(s["goodput"]["n_good"], items))
+            att[k].append(s["goodput"]["n_good"] / len(items))
+            worst[k] = max(worst[k], s["latency"]["e2e_ms"]["p99"])
+    mean = {k: statistics.fmean(v) for k, v in good.items()}
+    fixed = [k for k in configs if k != "adaptive"]
+    best = max(fixed, key=lambda k: (round(mean[k], 6), -worst[k]))
+    return {"mix": mix, "tpot_ms": tpot_ms, "e2e_ms": e2e_ms, "share": share, "rate": offered, "best": list(best),
+            "best_goodput": mean[best], "best_attainment": statistics.fmean(att[best]), "best_p99": worst[best],
+            "adaptive_goodput": mean["adaptive"], "adaptive_attainment": statistics.fmean(att["adaptive"]),
+            "adaptive_p99": worst["adaptive"], "held_out": held_out({k: good[k] for k in fixed}, statistics.fmean)}
+
+
+def run(n: int, seeds: list[int], jobs: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    cost = RooflineCost(GPU, MODEL)
+    cal = {mix: calibrate(cost, mix, n, seeds[0]) for mix in dict.fromkeys(m for m, _, _ in CELLS)}
+    cells = [(mix, *cal[mix], tpot, e2e_x, share, n, seeds) for mix, tpot, e2e_x in CELLS for share in SHARES]
+    t0 = time.perf_counter()
+    if jobs > 1:
+        with multiprocessing.get_context("fork").Pool(jobs) as pool:
+            rows = pool.starmap(compare, cells, chunksize=1)
+    else:
+        rows = [compare(*c) for c in cells]
+    return rows, {"calibration": cal, "n": n, "seeds": seeds, "wall_s": time.perf_counter() - t0}
+
+
+def _key(r: dict[str, Any]) -> tuple[Any, ...]:
+    return r["mix"], r["tpot_ms"], r["e2e_ms"], r["share"]
+
+
+def markdown(rows: list[dict[str, Any]], meta: dict[str, Any], before: list[dict[str, Any]] | None,
+             before_label: str) -> str:
+    cal = "; ".join(f"{m}: {c:.1f} req/s, P99 {p:,.0f} ms" for m, (c, p) in meta["calibration"].items())
+    old = {_key(r): r for r in before or []}
+    out = [f"## {SECTION}", "",
+           f"Command: `python -m benchmarks.adaptive_tpot` ({datetime.date.today().isoformat()}; simulated: {GPU} "
+           f"roofline, {MODEL}, lengths at scale {SCALE}; {meta['n']} requests per cell and seed, seeds "
+           f"{', '.join(map(str, meta['seeds']))}). Load: a share of the workload's capacity under the fixed 50 ms / 32 "
+           f"point ({cal}; the P99 is at half load and sets the end-to-end target where one is given). Goodput: "
+           f"requests within every target per second of offered traffic, the mean over seeds; attainment in "
+           f"brackets. Grid and `dynamic` bounds as in the adaptive benchmark (windows "
+           f"{', '.join(f'{w:g}' for w in WINDOWS_MS)} ms x caps {', '.join(map(str, CAPS))}); "
+           f"\"picked on the other seeds\": the point with the most goodput on the others, judged on the one left out."
+           + (f" {before_label}: the same command on that version of `dynamic`." if before else ""), ""]
+    cols = ["workload", "targets (ms)", "load", "offered req/s", "best fixed (window, cap)", "its goodput",
+            "adaptive goodput", "adaptive / best", "adaptive / picked on the other seeds"] + \
+        [f"{before_label} / best"] * bool(before) + ["worst P99 E2E, best / adaptive (ms)"]
+    out += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        w, c = r["best"]
+        targets = f"TPOT {r['tpot_ms']:g}" + (f", E2E {r['e2e_ms']:,.0f}" if r["e2e_ms"] is not None else "")
+        prev = old.get(_key(r))
+        cells = [r["mix"], targets, f"{r['share']:g}x", f"{r['rate']:.2f}", f"{w:g} ms, {c}",
+                 f"{r['best_goodput']:.2f} ({r['best_attainment']:.0%})",
+                 f"{r['adaptive_goodput']:.2f} ({r['adaptive_attainment']:.0%})",
+                 ratio(r["adaptive_goodput"], r["best_goodput"]),
+                 ratio(r["adaptive_goodput"], r["held_out"]) if r["held_out"] is not None else "–"] + \
+            ([ratio(prev["adaptive_goodput"], r["best_goodput"]) if prev else "–"] if before else []) + \
+            [f"{r['best_p99']:,.0f} / {r['adaptive_p99']:,.0f}"]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=300, help="requests per cell and seed")
+    ap.add_argument("--seeds", default="0,1,2,3,4", help="workload seeds, comma-separated")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="simulated cells run at a time")
+    ap.add_argument("--json", default=None, help="also write the rows as JSON to this file")
+    ap.add_argument("--before", default=None, help="rows an earlier version wrote with --json, as a column")
+    ap.add_argument("--before-label", default="before", help="that column's name")
+    ap.add_argument("--out", default=None, help="write the section into this Markdown file")
+    a = ap.parse_args(argv)
+    rows, meta = run(a.requests, [int(x) for x in a.seeds.split(",")], max(1, a.jobs))
+    before = None
+    if a.before:
+        with open(a.before) as f:
+            before = json.load(f)
+    text = markdown(rows, meta, before, a.before_label)
+    print(text)
+    print(f"\n({meta['wall_s']:.0f} s)")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if a.out:
+        write_section(a.out, f"## {SECTION}", text)
+
+
+if __name__ == "__main__":
+    main()
