@@ -113,6 +113,38 @@ def test_engine_uses_the_profile_for_step_predictions(tmp_path, make_fake_engine
     assert eng.scheduler.latency.predict_step(20, 1) == pytest.approx(0.01 + 20 * 1e-4)  # a prompt
 
 
+def test_a_profile_prices_a_request_level_prefill_as_whole_prompts(make_fake_engine):
+    """b prompts of p tokens attend over p each, not over b * p: a step of b whole prompts costs
+    b * p * (p) pairs of the quadratic term, one chunk of b * p costs (b * p)^2."""
+    from types import SimpleNamespace as NS
+
+    from batchserve.config import SchedulerConfig
+    from batchserve.core.controllers import batch_times
+    from batchserve.core.policies.dynamic import DynamicPolicy
+
+    coef = {t: 0.0 for t in TERMS} | {"const": 0.01, "prefill_token": 1e-5, "decode_seq": 1e-3, "prefill_mpair": 0.05}
+    m = ProfiledLatencyModel(coef=coef, context_len=128)
+    assert m.predict_step(8 * 128, 8, prompts=8) == pytest.approx(0.01 + 8 * 128 * 1e-5 + 0.05 * 8 * 128 ** 2 / 1e6)
+    chunk = 8 * 128 - 7  # read as one chunk and 7 decodes
+    assert m.predict_step(8 * 128, 8) == pytest.approx(0.01 + chunk * 1e-5 + 7e-3 + 0.05 * chunk ** 2 / 1e6)
+    assert m.predict_step(8 * 128 + 2, 10, prompts=8) == pytest.approx(  # and two decodes beside them
+        0.01 + 8 * 128 * 1e-5 + 2e-3 + 0.05 * 8 * 128 ** 2 / 1e6)
+    assert m.predict_step(8, 8, prompts=8) == m.predict_step(8, 8)  # decodes are decodes
+
+    # the dynamic policy's F(b) reads its prefill that way
+    now = 50.0
+    queue = [NS(request_id=f"r{i}", arrival_time=now, num_prompt_tokens=128, max_tokens=4, deadline_ms=None)
+             for i in range(8)]
+    sched = NS(waiting=queue, latency=m, config=NS(max_num_seqs=32, max_num_batched_tokens=8192))
+    pol = DynamicPolicy(SchedulerConfig(policy="dynamic", max_batch=8, slo_p99_ms=10_000.0), latency=m)
+    pol.mean_gap_s, pol.last_arrival = 0.01, now
+    pol.update_controls(sched, now)
+    assert pol.plan.launch and pol.plan.size == 8
+    assert pol._first == pytest.approx(batch_times(lambda t, s: m.predict_step(t, s, prompts=s) if t > s
+                                                   else m.predict_step(t, s), 8, 128, [4] * 8, 8192).first)
+    assert pol._first < 0.5 * m.predict_step(8 * 128, 8)
+
+
 def test_fit_finds_the_row_knee_of_the_matrix_products():
     """Steps that barely grow up to 16 rows (the weights' stream bounds them) and then add each
     row's arithmetic: the fit picks the knee at 16 and follows both sides, where the straight

@@ -227,10 +227,18 @@ class ProfiledLatencyModel:
         x = features([(0, prefill_tokens)] if prefill_tokens else [], [ctx] * decode_seqs, self.row_knee)
         return self._eval(x)
 
-    def predict_step(self, num_tokens: int, num_seqs: int, context: int | None = None) -> float:
+    def predict_step(self, num_tokens: int, num_seqs: int, context: int | None = None,
+                     prompts: int | None = None) -> float:
         """Seconds for a step of `num_tokens` over `num_seqs` sequences. All decodes when the
         counts match, otherwise one prompt chunk and num_seqs - 1 decodes. `context`: the
-        step's KV tokens summed over its sequences, when the caller knows it."""
+        step's KV tokens summed over its sequences, when the caller knows it. `prompts`: how
+        many of the sequences are whole prompts instead of one chunk, sharing the prompt tokens
+        (a request-level batch's prefill: each attends over its own prompt, not over all)."""
+        if prompts and num_tokens > num_seqs:
+            decodes = max(0, num_seqs - prompts)
+            q, r = divmod(num_tokens - decodes, min(prompts, num_seqs))
+            rows = [(0, q + (i < r)) for i in range(min(prompts, num_seqs))]
+            return self._eval(features([x for x in rows if x[1]], [self.context_len] * decodes, self.row_knee))
         decodes = num_seqs if num_tokens <= num_seqs else max(0, num_seqs - 1)
         prefill = num_tokens - decodes
         if context is None or decodes == 0:

@@ -100,10 +100,15 @@ class DynamicPolicy(RequestLevelPolicy):
         prompt = sum(r.num_prompt_tokens for r in head) / len(head)
         budget, fit, outs = sched.config.max_num_batched_tokens, self.fit, self.outputs.values
         steps: dict[tuple[int, int], float] = {}
+        latency = sched.latency
+        profiled = isinstance(latency, ProfiledLatencyModel)
 
         def step(tokens: int, seqs: int) -> float:
+            """A step's predicted time; a profile reads a prefill step (more tokens than
+            sequences) as the members' whole prompts, which a request-level batch's is."""
             if (tokens, seqs) not in steps:
-                steps[tokens, seqs] = sched.latency.predict_step(tokens, seqs)
+                steps[tokens, seqs] = latency.predict_step(tokens, seqs, prompts=seqs) \
+                    if profiled and tokens > seqs else latency.predict_step(tokens, seqs)
             return steps[tokens, seqs]
 
         def fitted(b: int, lengths: list[int], prompt_len: float = prompt) -> BatchTimes:
