@@ -289,3 +289,20 @@ def test_with_lengths_no_batch_is_larger_than_its_shortest_member_s_time_per_tok
     assert slo_size(times, 4, t, lengths) == 2
     assert slo_size(times, 4, t) == 4  # judged at one step's time, everything fits
     assert slo_size(times, 4, Targets(tpot=0.025), lengths) == 3
+    # one-token members have no time per token, but the others still do: with the 40-token one
+    # the 20-token one misses, whatever follows
+    lengths[1:] = [40, 1, 1]
+    assert slo_size(times, 4, t, lengths) == 1
+
+
+def test_batch_times_can_price_each_prefill_step_as_whole_prompts():
+    calls = []
+
+    def whole(tokens: int, rows: int) -> float:
+        calls.append((tokens, rows))
+        return 0.5
+
+    # 64 prompts of 512 tokens in steps of 8,192: four steps of 16 whole prompts each
+    t = batch_times(lambda tokens, seqs: 0.01, 64, 512, [4] * 64, 8192, prompts=whole)
+    assert calls == [(8192, 16)] and t.first == 4 * 0.5 and t.decode == 0.01
+    assert batch_times(lambda tokens, seqs: 0.01, 64, 512, [4] * 64, 8192).first == 4 * 0.01

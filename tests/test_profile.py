@@ -145,6 +145,30 @@ def test_a_profile_prices_a_request_level_prefill_as_whole_prompts(make_fake_eng
     assert pol._first < 0.5 * m.predict_step(8 * 128, 8)
 
 
+def test_the_scheduler_tells_a_profile_how_many_prompts_a_step_had(tmp_path, make_fake_engine):
+    from tests.policy_helpers import drive, req
+
+    coef = {t: 0.0 for t in TERMS} | {"const": 0.01, "prefill_token": 1e-5, "decode_seq": 1e-3, "prefill_mpair": 0.05}
+    m = ProfiledLatencyModel(coef=coef, context_len=128)
+    for _ in range(40):  # steps of 8 whole prompts that took what the profile says they take
+        m.observe(8 * 128, 8, m.predict_step(8 * 128, 8, prompts=8), prompts=8)
+    assert m.correction == pytest.approx(1.0)
+
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"fit": {"coef": coef, "context_len": 128}}))
+    eng = make_fake_engine(policy="static", window_ms=0.0, max_batch=8, latency_profile=str(path))
+    seen = []
+    observe = eng.scheduler.latency.observe
+
+    def recording(tokens, seqs, seconds, prompts=None):
+        seen.append((tokens, seqs, prompts))
+        observe(tokens, seqs, seconds, prompts)
+
+    eng.scheduler.latency.observe = recording
+    drive(eng, [(0.0, req(f"r{i}", 16, 3)) for i in range(4)])
+    assert seen[0] == (64, 4, 4) and (4, 4, 0) in seen  # the batch's prefill, then its decodes
+
+
 def test_fit_finds_the_row_knee_of_the_matrix_products():
     """Steps that barely grow up to 16 rows (the weights' stream bounds them) and then add each
     row's arithmetic: the fit picks the knee at 16 and follows both sides, where the straight

@@ -26,19 +26,20 @@ in that batch when every target that is set holds:
 ends, so its time per token is the batch's decode span over its own tokens, not one step's
 time: a short output in a batch with a long one misses a TPOT target the long one meets. A
 one-token output has no time per token, and its one token reaches its caller at B(b), which
-the TTFT target then judges. A request of unknown length (a newcomer, or s below) is judged as
-the longest member: D(b) <= tpot.
+the TTFT target then judges. A request of unknown length (a newcomer) is judged as the longest
+member: D(b) <= tpot.
 
 Who. A waiting request is hopeless when it misses its end-to-end target even alone, w + B_i(1) >
 e2e with B_i(1) the time of a batch of it by itself (its own prompt and expected output), and is
 not overdue (below). Every rule that follows reads the queue with the hopeless moved behind the
 others, in queue order: at the head, one long output would price every batch at its length, so
 the sizes would shrink to 1 and each batch would end too late for all its members. With a TPOT
-target, each of the two parts is also grouped by output length: stable-sorted by |log l -
-log l_1|, l_1 the first one's, so the batch is of the head's length and the others wait for
-one of theirs (the head is the oldest, so every length gets its turn). A request is late when it misses its targets even in the batch that would go now
-(of min(n, c) requests, n waiting; c below), that batch lasting at least its own B_i(1). The
-batch is offered to, in this order (queue order within each group):
+target, each of the two parts is also grouped by output length: stable-sorted by |log l - log
+l_1|, l_1 the first one offered's (the oldest not hopeless), so the batch is of its length and
+the others wait for one of theirs (the head is the oldest, so every length gets its turn). A
+request is late when it misses its targets even in the batch that would go now (of min(n, c)
+requests, n waiting; c below), that batch lasting at least its own B_i(1). The batch is offered
+to, in this order (queue order within each group):
 
     overdue     late, and w >= k * its target (e2e, else ttft); k the overdue factor, 2 by default
     on time     not late
@@ -65,7 +66,7 @@ takes (where the second finds the load out of reach, below, the first stands):
     c = argmax{ good(b) / busy(b) : f <= b <= s }     the smallest on a tie; with none good, of b / B(b)
     c = argmax{ good(b) / busy(b) : b < f, m(b) > 0 } where none from f up is good, and one below has m(b) > 0
     s = max{ b <= cap : F(b) <= ttft, D(b) <= tpot, B(b) <= e2e }              (1 if none; with
-        lengths, B(b) - F(b) <= tpot * (l - 1) for l the shortest of the first b offered)
+        lengths: every one of the first b offered meets its targets at its own l, without waiting)
     f = min{ b <= s : b >= B(b) / (h * G) }                                    keeps pace, or where none does
     f = min{ b <= s : b / B(b) >= h * max{ b' / B(b') : b' <= s } }            serves within h of the most
 
@@ -78,24 +79,24 @@ with m1 and m2 the waiting who meet their targets in the first batch and in the 
 mean arrival gap over the last 30 s and h = 0.85. B(b2) prices the second batch as one of the
 first b2 offered, not of the b2 it would hold, who are often the longer: a price that favours
 the split, and in simulation serves more requests in time through bursts than the exact one,
-which sends the long with the short. Past s every member misses, even one that has
-not waited (with a TPOT target, the shortest member misses its time per token: no batch mixes
-lengths so far apart that one of them misses before it has waited). Below it, a larger batch takes more of the queue but runs longer: those who have
-waited may miss in it, and past the throughput knee its time grows as fast as its size. A
-smaller one serves the on-time first and leaves the rest for the next, which costs them a
-batch's wait: where batches cost about their size (a CPU past its knee) that split wins through
-a burst, where a larger batch is nearly free (a GPU below its knee) the one batch does. Seats
-past the waiting count as newcomers that meet their targets. The two batches look no further:
-under a sustained load, batches that only just keep up let the queue grow, so no batch is
-smaller than f, the size that keeps pace with the long-run arrival rate while busy at most h of
-the time (the 30 s average a burst out). Where no size the targets allow keeps that pace (a load
-past them, or a burst that began within those 30 s), the floor is the smallest size that serves
-within h of the most requests per second they allow, not s itself: B(s) is at the target, so
-in a batch of s everyone who has waited misses. The floor gives way where every size it
-allows would serve nobody in time and a smaller batch would serve some of its own members in
-time (m(b) > 0: of the first b offered, that many meet their targets in it): keeping pace
-there serves later arrivals at the price of every request now waiting, some of whom the
-smaller batch serves. Its own members, not the queue's or the next batch's, since a smaller
+which sends the long with the short. Past s every member misses, even one that has not waited
+(with a TPOT target, at least the shortest misses its time per token: no batch mixes lengths so
+far apart that one of them misses before it has waited). Below it, a larger batch takes more of
+the queue but runs longer: those who have waited may miss in it, and past the throughput knee
+its time grows as fast as its size. A smaller one serves the on-time first and leaves the rest
+for the next, which costs them a batch's wait: where batches cost about their size (a CPU past
+its knee) that split wins through a burst, where a larger batch is nearly free (a GPU below its
+knee) the one batch does. Seats past the waiting count as newcomers that meet their targets. The
+two batches look no further: under a sustained load, batches that only just keep up let the
+queue grow, so no batch is smaller than f, the size that keeps pace with the long-run arrival
+rate while busy at most h of the time (the 30 s average a burst out). Where no size the targets
+allow keeps that pace (a load past them, or a burst that began within those 30 s), the floor is
+the smallest size that serves within h of the most requests per second they allow, not s itself:
+B(s) is at the target, so in a batch of s everyone who has waited misses. The floor gives way
+where every size it allows would serve nobody in time and a smaller batch would serve some of
+its own members in time (m(b) > 0: of the first b offered, that many meet their targets in it):
+keeping pace there serves later arrivals at the price of every request now waiting, some of whom
+the smaller batch serves. Its own members, not the queue's or the next batch's, since a smaller
 batch of none in time only gives up pace. With no target set, c = s = cap.
 
 Unless the load puts the targets out of reach. With q requests waiting in all, the pace size
@@ -103,15 +104,15 @@ Unless the load puts the targets out of reach. With q requests waiting in all, t
     p = min{ b <= cap : b >= max(0, q - b) + B(b) / gap }     (cap if none)
 
 is the smallest batch that leaves no more waiting than it takes (those it leaves, plus those
-arriving while it runs). When p > s, batches the targets allow fall behind. Through a burst
-that is the right trade: holding late requests back keeps the on-time ones within target, and
-the queue drains when the burst ends. Once a request has waited k times its target (overdue),
-the load has outlasted that: the queue grows for as long as it lasts, and every request in it
-misses by more. So when p > s, someone is overdue, and a TTFT or end-to-end target is set (one
-that waiting breaks), c = p, the queue is offered in its own order (the hopeless behind; by
-length with a TPOT target), and the batch launches by the rules without targets: the fixed
-point that serves the most, until the backlog is gone. A TPOT target alone is not broken by waiting, so a backlog never
-outgrows it.
+arriving while it runs). When p > s, batches the targets allow fall behind. Through a burst that
+is the right trade: holding late requests back keeps the on-time ones within target, and the
+queue drains when the burst ends. Once a request has waited k times its target (overdue), the
+load has outlasted that: the queue grows for as long as it lasts, and every request in it misses
+by more. So when p > s, someone is overdue, and a TTFT or end-to-end target is set (one that
+waiting breaks), c = p, the queue is offered in its own order (the hopeless behind; by length
+with a TPOT target), and the batch launches by the rules without targets: the fixed point that
+serves the most, until the backlog is gone. A TPOT target alone is not broken by waiting, so a
+backlog never outgrows it.
 
 Launch now, with those b, when any of
 
@@ -192,12 +193,15 @@ def expected_lengths(max_tokens: Sequence[int], outputs: Sequence[float]) -> lis
     return [int(min(m, outputs[min(n - 1, n * j // (b + 1))])) for j, m in enumerate(ms, 1)]
 
 
-def batch_times(step: StepTime, b: int, prompt_len: float, lengths: Sequence[int], token_budget: int) -> BatchTimes:
+def batch_times(step: StepTime, b: int, prompt_len: float, lengths: Sequence[int], token_budget: int,
+                prompts: StepTime | None = None) -> BatchTimes:
     """F(b), D(b) and B(b) for b members with mean prompt `prompt_len` and output `lengths`
-    (ascending, b of them; fewer are padded with the last)."""
+    (ascending, b of them; fewer are padded with the last). `prompts`: the time of a step of
+    whole prompts (tokens, how many), for a model that tells it from a chunk and decodes; each
+    of the k prefill steps then holds ceil(b / k) of them (None: step(tokens / k, b))."""
     tokens = max(1, round(b * prompt_len))
     k = -(-tokens // max(1, token_budget))
-    first = k * step(-(-tokens // k), b)
+    first = k * (step(-(-tokens // k), b) if prompts is None else prompts(-(-tokens // k), -(-b // k)))
     ls = list(lengths[:b]) + [lengths[-1] if lengths else 1] * max(0, b - len(lengths))
     return BatchTimes(first, step(b, b), first + decode_time(step, ls))
 
@@ -353,7 +357,7 @@ def hopeless_last(waits: Sequence[float], e2e: Sequence[float | None], alone: Se
     ratio of each one's length to the first one offered's (its log's distance)."""
     hopeless = [e is not None and w + a > e and not is_overdue(w, e, targets) for w, e, a in zip(waits, e2e, alone)]
     order = [i for i, h in enumerate(hopeless) if not h] + [i for i, h in enumerate(hopeless) if h]
-    if targets.tpot is None or not lengths or not order:
+    if targets.tpot is None or len(lengths) < len(order) or not order:
         return order
     ref = math.log(max(1, lengths[order[0]]))
     return sorted(order, key=lambda i: (hopeless[i], abs(math.log(max(1, lengths[i])) - ref)))
@@ -445,13 +449,14 @@ def _lens(lengths: Sequence[int], n: int) -> list[int | None]:
 def slo_size(times: Callable[[int], BatchTimes], top: int, targets: Targets, lengths: Sequence[int] = ()) -> int:
     """The largest b <= top whose batch meets the targets for a request that has not waited
     (1 when none does): a larger batch would make every member miss. With the members'
-    expected output `lengths` (those of the first b offered), for every one of them: a larger
-    batch would make its shortest miss its time per token."""
+    expected output `lengths` (in the order offered), for every one of the first b at its own
+    length: a larger batch would make one of them miss (the shortest, its time per token)."""
     if not targets.any:
         return top
 
     def ok(b: int) -> bool:
-        return _meets(0.0, targets.e2e, times(b), targets, min(lengths[:b]) if lengths else None)
+        t = times(b)
+        return all(_meets(0.0, targets.e2e, t, targets, ln) for ln in (set(lengths[:b]) if lengths else (None,)))
     return max(1, _largest(ok, top))
 
 

@@ -251,8 +251,9 @@ class ProfiledLatencyModel:
     def _eval(self, x: list[float]) -> float:
         return max(0.0, self.correction * sum(self.coef[t] * v for t, v in zip(TERMS, x)))
 
-    def observe(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
-        pred = self.predict_step(num_tokens, num_seqs) / self.correction
+    def observe(self, num_tokens: int, num_seqs: int, seconds: float, prompts: int | None = None) -> None:
+        """A step took `seconds`; `prompts` as in `predict_step`."""
+        pred = self.predict_step(num_tokens, num_seqs, prompts=prompts) / self.correction
         if pred > 0 and seconds > 0:
             self.correction = min(4.0, max(0.25, 0.95 * self.correction + 0.05 * seconds / pred))
 

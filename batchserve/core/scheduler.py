@@ -29,7 +29,7 @@ from batchserve.core.admission import StepBuilder, build_seq
 from batchserve.core.batch import ScheduledBatch, ScheduledSeq, StepOutput
 from batchserve.core.deadlines import Decision, DeadlineRules, Miss, length_status, sharing
 from batchserve.core.kv_cache import KVCacheManager
-from batchserve.core.latency import LatencyModel, OnlineLinearModel
+from batchserve.core.latency import LatencyModel, OnlineLinearModel, ProfiledLatencyModel
 from batchserve.core.queue import AdmissionQueue
 from batchserve.request import OverloadedError, Request, RequestStatus
 
@@ -58,6 +58,8 @@ class Scheduler:
         self.policy = policy
         self.waiting = AdmissionQueue(queue)
         self.latency: LatencyModel = latency or OnlineLinearModel()  # fed each step's time by update()
+        # a profile tells a step of several prompts from one chunk: it is told how many a step had
+        self._count_prompts = isinstance(self.latency, ProfiledLatencyModel)
         self.deadlines = DeadlineRules(config, self.latency, self.waiting.config)
         self.running: list[Request] = []
         self._order: list[Request] = []  # `running` sorted by priority_order (running_order())
@@ -306,7 +308,11 @@ class Scheduler:
         that hit EOS / a stop token / their length. Returns every request that changed."""
         if self._scheduled_at is not None:
             took = now - self._scheduled_at
-            self.latency.observe(batch.num_tokens, batch.num_seqs, took)
+            if self._count_prompts:
+                prompts = sum(len(s.token_ids) > 1 for s in batch.seqs)
+                self.latency.observe(batch.num_tokens, batch.num_seqs, took, prompts=prompts)
+            else:
+                self.latency.observe(batch.num_tokens, batch.num_seqs, took)
             self.deadlines.observe_step(took, now)
             self._scheduled_at = None
             if self._paused_at is not None:  # an interjection ended: the paused step goes on, its time less this

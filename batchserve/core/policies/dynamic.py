@@ -104,16 +104,17 @@ class DynamicPolicy(RequestLevelPolicy):
         profiled = isinstance(latency, ProfiledLatencyModel)
 
         def step(tokens: int, seqs: int) -> float:
-            """A step's predicted time; a profile reads a prefill step (more tokens than
-            sequences) as the members' whole prompts, which a request-level batch's is."""
             if (tokens, seqs) not in steps:
-                steps[tokens, seqs] = latency.predict_step(tokens, seqs, prompts=seqs) \
-                    if profiled and tokens > seqs else latency.predict_step(tokens, seqs)
+                steps[tokens, seqs] = latency.predict_step(tokens, seqs)
             return steps[tokens, seqs]
+
+        def whole(tokens: int, rows: int) -> float:
+            """A step of `rows` whole prompts, as a profile reads it (not one chunk and decodes)."""
+            return latency.predict_step(tokens, rows, prompts=rows)
 
         def fitted(b: int, lengths: list[int], prompt_len: float = prompt) -> BatchTimes:
             """F, D, B of b members with these output lengths and mean prompt, scaled by the fit."""
-            t = batch_times(step, b, prompt_len, lengths, budget)
+            t = batch_times(step, b, prompt_len, lengths, budget, whole if profiled else None)
             return BatchTimes(fit * t.first, fit * t.decode, fit * t.total)
 
         def times_of(members: list[Request]) -> Callable[[int], BatchTimes]:
