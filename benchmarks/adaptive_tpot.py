@@ -8,8 +8,12 @@ the target; all judged by goodput (requests within every target per second of of
 Simulated on the roofline, deterministic per seed.
 
     python -m benchmarks.adaptive_tpot [--out BENCHMARKS.md] [--json rows.json] [--before rows.json]
+    python -m benchmarks.adaptive_tpot --live [--out BENCHMARKS.md]
 
 `--before`: rows a run of an earlier version wrote with `--json`, shown beside as its column.
+`--live`: the short-long mix on this machine's real engine (the default model, wall clock) at
+0.7 of its capacity under 50 ms / 32, with TPOT targets of 2x and 4x its measured step time
+alone, on a smaller grid, the order of the configurations rotating from round to round.
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ import time
 from typing import Any
 
 from batchserve.bench.metrics import SLO
-from batchserve.scenarios.common import GPU, MODEL, engine
+from batchserve.scenarios.common import GPU, MODEL, SATURATION_RATE, engine
 from batchserve.sim.cost import RooflineCost
 from batchserve.sim.runner import simulate
 from benchmarks.adaptive import CAPS, SCALE, WINDOWS_MS, calibrate, goodput_of, held_out, ratio, workload
@@ -118,6 +122,92 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any], before: list[dict
     return "\n".join(out)
 
 
+LIVE_GRID = [(w, c) for w in (0.0, 50.0) for c in (4, 16, 32)]
+
+
+def live(n: int, seed: int, rounds: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The short-long cells on the real engine: capacity under 50 ms / 32, the step time of a
+    batch of one (the TPOT of requests run one at a time), then each TPOT target through every
+    live grid point and `dynamic`, `rounds` times; medians over the rounds."""
+    from batchserve.config import CacheConfig, ModelConfig
+    from batchserve.runner.loader import load_model
+    from batchserve.runner.model_runner import ModelRunner
+    from benchmarks.policies import run_one
+
+    mcfg, ccfg = ModelConfig(), CacheConfig(kv_cache_gb=0.5)
+    loaded = load_model(mcfg)
+    runner = ModelRunner(loaded, mcfg, ccfg)
+    eos = loaded.config.eos_token_id
+
+    def one(items: list[Any], sched: dict[str, Any], slo: SLO | None) -> dict[str, Any]:
+        return run_one(runner, loaded.tokenizer, eos, items, sched, ccfg.block_size, False, None, slo)["summary"]
+
+    mix = "short-long"
+    one(workload(mix, 8, 100.0, seed + 99), dict(policy="static", window_ms=50.0, max_batch=32), None)  # warm up
+    cap = one(workload(mix, 64, SATURATION_RATE, seed), dict(policy="static", window_ms=50.0, max_batch=32),
+              None)["throughput_rps"]
+    step_ms = one(workload(mix, 16, SATURATION_RATE, seed), dict(policy="static", window_ms=0.0, max_batch=1),
+                  None)["latency"]["tpot_ms"]["p50"]
+    print(f"live: {mix}: capacity {cap:.2f} req/s, a step alone {step_ms:.1f} ms", flush=True)
+    items = workload(mix, n, 0.7 * cap, seed)
+    rows = []
+    t0 = time.perf_counter()
+    for x in (2.0, 4.0):
+        tpot = round(x * step_ms, 1)
+        slo = SLO(tpot_ms=tpot)
+        configs: dict[Any, dict[str, Any]] = {k: dict(policy="static", window_ms=k[0], max_batch=k[1])
+                                              for k in LIVE_GRID}
+        configs["adaptive"] = dict(policy="dynamic", max_batch=max(c for _, c in LIVE_GRID),
+                                   window_max_ms=max(w for w, _ in LIVE_GRID), slo_tpot_ms=tpot)
+        keys = list(configs)
+        runs: dict[Any, list[tuple[float, float, float]]] = {k: [] for k in keys}
+        for r in range(rounds):
+            shift = r % len(keys)
+            for k in keys[shift:] + keys[:shift]:
+                s = one(items, configs[k], slo)
+                runs[k].append((goodput_of(s["goodput"]["n_good"], items), s["goodput"]["n_good"] / len(items),
+                                s["latency"]["e2e_ms"]["p99"]))
+                print(f"live round {r + 1} TPOT {tpot:g} ms {k}: goodput {runs[k][-1][0]:.2f} "
+                      f"({runs[k][-1][1]:.0%}), P99 {runs[k][-1][2]:,.0f} ms", flush=True)
+        med = {k: tuple(statistics.median(v[i] for v in runs[k]) for i in range(3)) for k in keys}
+        best = max(LIVE_GRID, key=lambda k: (med[k][0], -med[k][2]))
+        rows.append({"mix": mix, "tpot_ms": tpot, "e2e_ms": None, "share": 0.7,
+                     "rate": len(items) / max(items[-1].arrival, 1e-9), "best": list(best),
+                     "best_goodput": med[best][0], "best_attainment": med[best][1], "best_p99": med[best][2],
+                     "adaptive_goodput": med["adaptive"][0], "adaptive_attainment": med["adaptive"][1],
+                     "adaptive_p99": med["adaptive"][2],
+                     "held_out": held_out({k: [g for g, _, _ in runs[k]] for k in LIVE_GRID})})
+    return rows, {"n": n, "seed": seed, "rounds": rounds, "capacity": cap, "step_ms": step_ms,
+                  "wall_s": time.perf_counter() - t0, "model": loaded.name}
+
+
+def live_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    out = [f"## {SECTION}, live", "",
+           f"The question above on this engine ({datetime.date.today().isoformat()}; {cpu}, {os.cpu_count()} cores, "
+           f"{meta['model']}; command `python -m benchmarks.adaptive_tpot --live --live-requests {meta['n']} --rounds "
+           f"{meta['rounds']}`; {meta['n']} requests of the short-long mix at scale {SCALE}, seed {meta['seed']}, at 0.7 "
+           f"of its capacity under 50 ms / 32 ({meta['capacity']:.2f} req/s); TPOT targets 2x and 4x the measured "
+           f"time per token of requests run one at a time ({meta['step_ms']:.1f} ms); every output runs to its "
+           f"max_tokens). Grid: windows {', '.join(sorted({f'{w:g}' for w, _ in LIVE_GRID}))} ms x caps "
+           f"{', '.join(str(c) for c in sorted({c for _, c in LIVE_GRID}))}; `dynamic` with window <= "
+           f"{max(w for w, _ in LIVE_GRID):g} ms, cap <= {max(c for _, c in LIVE_GRID)}; medians over the rounds, the "
+           f"order rotating. Live timings move about 15 % run to run.", ""]
+    cols = ["targets (ms)", "offered req/s", "best fixed (window, cap)", "its goodput", "adaptive goodput",
+            "adaptive / best", "adaptive / picked on the other rounds", "P99 E2E, best / adaptive (ms)"]
+    out += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        w, c = r["best"]
+        out.append("| " + " | ".join([
+            f"TPOT {r['tpot_ms']:g}", f"{r['rate']:.2f}", f"{w:g} ms, {c}",
+            f"{r['best_goodput']:.2f} ({r['best_attainment']:.0%})",
+            f"{r['adaptive_goodput']:.2f} ({r['adaptive_attainment']:.0%})",
+            ratio(r["adaptive_goodput"], r["best_goodput"]),
+            ratio(r["adaptive_goodput"], r["held_out"]) if r["held_out"] is not None else "–",
+            f"{r['best_p99']:,.0f} / {r['adaptive_p99']:,.0f}"]) + " |")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=300, help="requests per cell and seed")
@@ -127,7 +217,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--before", default=None, help="rows an earlier version wrote with --json, as a column")
     ap.add_argument("--before-label", default="before", help="that column's name")
     ap.add_argument("--out", default=None, help="write the section into this Markdown file")
+    ap.add_argument("--live", action="store_true", help="instead: the short-long cells on the real engine")
+    ap.add_argument("--live-requests", type=int, default=80, help="live: requests per run")
+    ap.add_argument("--rounds", type=int, default=2, help="live: runs of every configuration per target (medians)")
     a = ap.parse_args(argv)
+    if a.live:
+        rows, meta = live(a.live_requests, int(a.seeds.split(",")[0]), a.rounds)
+        text = live_markdown(rows, meta)
+        print(text)
+        print(f"\n({meta['wall_s']:.0f} s)")
+        if a.out:
+            write_section(a.out, f"## {SECTION}, live", text)
+        return
     rows, meta = run(a.requests, [int(x) for x in a.seeds.split(",")], max(1, a.jobs))
     before = None
     if a.before:

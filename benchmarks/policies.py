@@ -24,7 +24,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from batchserve.bench.metrics import RequestRecord, span_s, summarize
+from batchserve.bench.metrics import SLO, RequestRecord, span_s, summarize
 from batchserve.bench.workload import WorkItem, make_workload
 from batchserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from batchserve.core.batch import ScheduledBatch, StepOutput
@@ -101,8 +101,9 @@ class CountingExecutor:
 
 
 def run_one(runner, tokenizer, eos, items: list[WorkItem], sched: dict, block_size: int,
-            prefix_caching: bool, slo_ms: float) -> dict:
-    """Drive one engine through the workload on the wall clock; summary + policy stats."""
+            prefix_caching: bool, slo_ms: float | None, slo: SLO | None = None) -> dict:
+    """Drive one engine through the workload on the wall clock; summary + policy stats. `slo`:
+    targets beside `slo_ms` (end to end) that the summary's goodput judges."""
     cfg = EngineConfig(cache=CacheConfig(block_size=block_size, num_blocks=runner.num_blocks,
                                          prefix_caching=prefix_caching),
                        scheduler=SchedulerConfig(slo_p99_ms=slo_ms, **sched))
@@ -140,7 +141,7 @@ def run_one(runner, tokenizer, eos, items: list[WorkItem], sched: dict, block_si
                 r.end_time, r.output_tokens, r.finish_reason = t, len(o.token_ids), o.finish_reason
     records = list(recs.values())
     pol = eng.scheduler.policy
-    return {"summary": summarize(records, span_s(records), slo_ms), "steps": ex.steps, "tokens": ex.tokens,
+    return {"summary": summarize(records, span_s(records), slo_ms, slo), "steps": ex.steps, "tokens": ex.tokens,
             "padding": getattr(pol, "padding_fraction", 0.0), "kv_mean": sum(usage) / max(1, len(usage)),
             "kv_peak": max(usage, default=0.0), "prefix_hit_rate": eng.kv.prefix_hit_rate,
             "preemptions": eng.scheduler.num_preemptions,

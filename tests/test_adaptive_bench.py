@@ -37,3 +37,13 @@ def test_compare_picks_the_grid_point_with_the_most_goodput():
     for row in (one, two):
         assert row["best"] != "adaptive" and row["best_goodput"] >= row["default"][0]  # 50 ms / 32 is on the grid
         assert row["adaptive_goodput"] > 0
+
+
+def test_the_tpot_comparison_judges_every_point_by_the_same_targets():
+    from benchmarks.adaptive_tpot import compare as compare_tpot
+
+    row = compare_tpot("short-long", 20.0, 3000.0, 40.0, 1.0, 0.5, 40, [0, 1])
+    assert row["e2e_ms"] == 3000.0 and row["tpot_ms"] == 40.0  # the end-to-end target: 1x the P99 given
+    assert tuple(row["best"]) != ("adaptive",) and row["held_out"] is not None
+    for who in ("best", "adaptive"):  # goodput per second of offered traffic, attainment per request
+        assert row[f"{who}_goodput"] > 0 and 0 < row[f"{who}_attainment"] <= 1
