@@ -37,6 +37,7 @@ from batchserve.sim.cost import RooflineCost
 from batchserve.sim.runner import simulate
 from benchmarks.make_trace_samples import burstgpt
 from benchmarks.report_md import write_section
+from benchmarks.startup import cpu_name
 
 WINDOWS_MS = (0.0, 10.0, 25.0, 50.0, 100.0, 200.0)
 CAPS = (4, 8, 16, 32, 64, 128)
@@ -237,18 +238,7 @@ def live(n: int, seed: int, tightness: list[float], rounds: int = 1, regimes: Se
     rotating from cell to cell and round to round so that no configuration always runs first or
     last; medians over the rounds, and each round's ratio of the adaptive run to the best point's
     run of that round."""
-    from batchserve.config import CacheConfig, ModelConfig
-    from batchserve.runner.loader import load_model
-    from batchserve.runner.model_runner import ModelRunner
-    from benchmarks.policies import run_one
-
-    mcfg, ccfg = ModelConfig(), CacheConfig(kv_cache_gb=0.5)
-    loaded = load_model(mcfg)
-    runner = ModelRunner(loaded, mcfg, ccfg)
-    eos = loaded.config.eos_token_id
-
-    def one(items: list[WorkItem], sched: dict[str, Any], slo_ms: float | None) -> dict[str, Any]:
-        return run_one(runner, loaded.tokenizer, eos, items, sched, ccfg.block_size, False, slo_ms)["summary"]
+    one, model = live_engine()
 
     fixed = dict(policy="static", window_ms=50.0, max_batch=32)
     one(workload("chat", 8, 100.0, seed + 99), fixed, None)  # warm the kernels
@@ -291,7 +281,27 @@ def live(n: int, seed: int, tightness: list[float], rounds: int = 1, regimes: Se
                      "held_out": held_out({k: [g for g, _ in v] for k, v in cell.items() if k in score}),
                      "factors": by_factor})
     return rows, {"calibration": calib, "regimes": list(regimes), "tightness": tightness, "n": n, "seed": seed,
-                  "rounds": rounds, "wall_s": time.perf_counter() - t0, "model": loaded.name, "factors": list(factors)}
+                  "rounds": rounds, "wall_s": time.perf_counter() - t0, "model": model, "factors": list(factors)}
+
+
+def live_engine() -> tuple[Callable[..., dict[str, Any]], str]:
+    """The default model, loaded once, and a function that drives a fresh engine over it through
+    a workload on the wall clock: one(items, sched, slo_ms, slo=None) -> the run's summary (sched:
+    SchedulerConfig fields; slo_ms, slo: the targets its goodput judges). Also the model's name."""
+    from batchserve.config import CacheConfig, ModelConfig
+    from batchserve.runner.loader import load_model
+    from batchserve.runner.model_runner import ModelRunner
+    from benchmarks.policies import run_one
+
+    mcfg, ccfg = ModelConfig(), CacheConfig(kv_cache_gb=0.5)
+    loaded = load_model(mcfg)
+    runner = ModelRunner(loaded, mcfg, ccfg)
+    eos = loaded.config.eos_token_id
+
+    def one(items: list[WorkItem], sched: dict[str, Any], slo_ms: float | None,
+            slo: SLO | None = None) -> dict[str, Any]:
+        return run_one(runner, loaded.tokenizer, eos, items, sched, ccfg.block_size, False, slo_ms, slo)["summary"]
+    return one, loaded.name
 
 
 def held_out(goodputs: dict[Any, list[float]], avg: Callable[[list[float]], float] = statistics.median) -> float | None:
@@ -315,7 +325,7 @@ def goodput_of(n_good: int, items: list[WorkItem]) -> float:
 
 
 def live_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    cpu = cpu_name()
     regimes = "" if tuple(meta["regimes"]) == LIVE_REGIMES else f" --live-regimes \"{','.join(meta['regimes'])}\""
     calib = "; ".join(f"{mix} {cap:.2f} req/s, {p99:,.0f} ms" for mix, (cap, p99) in meta["calibration"].items())
     out = [f"## {SECTION}, live", "", f"The question above on this engine ({datetime.date.today().isoformat()}; {cpu}, {os.cpu_count()} cores, "

@@ -30,8 +30,10 @@ from batchserve.bench.metrics import SLO
 from batchserve.scenarios.common import GPU, MODEL, SATURATION_RATE, engine
 from batchserve.sim.cost import RooflineCost
 from batchserve.sim.runner import simulate
-from benchmarks.adaptive import CAPS, SCALE, WINDOWS_MS, calibrate, goodput_of, held_out, ratio, workload
+from benchmarks.adaptive import (CAPS, SCALE, WINDOWS_MS, calibrate, goodput_of, held_out, live_engine, ratio,
+                                 workload)
 from benchmarks.report_md import write_section
+from benchmarks.startup import cpu_name
 
 SECTION = "A TPOT target under request-level batching"
 SHARES = (0.3, 0.7, 0.9)  # load: shares of the workload's capacity under the fixed 50 ms / 32 point
@@ -129,19 +131,7 @@ def live(n: int, seed: int, rounds: int) -> tuple[list[dict[str, Any]], dict[str
     """The short-long cells on the real engine: capacity under 50 ms / 32, the step time of a
     batch of one (the TPOT of requests run one at a time), then each TPOT target through every
     live grid point and `dynamic`, `rounds` times; medians over the rounds."""
-    from batchserve.config import CacheConfig, ModelConfig
-    from batchserve.runner.loader import load_model
-    from batchserve.runner.model_runner import ModelRunner
-    from benchmarks.policies import run_one
-
-    mcfg, ccfg = ModelConfig(), CacheConfig(kv_cache_gb=0.5)
-    loaded = load_model(mcfg)
-    runner = ModelRunner(loaded, mcfg, ccfg)
-    eos = loaded.config.eos_token_id
-
-    def one(items: list[Any], sched: dict[str, Any], slo: SLO | None) -> dict[str, Any]:
-        return run_one(runner, loaded.tokenizer, eos, items, sched, ccfg.block_size, False, None, slo)["summary"]
-
+    one, model = live_engine()
     mix = "short-long"
     one(workload(mix, 8, 100.0, seed + 99), dict(policy="static", window_ms=50.0, max_batch=32), None)  # warm up
     cap = one(workload(mix, 64, SATURATION_RATE, seed), dict(policy="static", window_ms=50.0, max_batch=32),
@@ -164,7 +154,7 @@ def live(n: int, seed: int, rounds: int) -> tuple[list[dict[str, Any]], dict[str
         for r in range(rounds):
             shift = r % len(keys)
             for k in keys[shift:] + keys[:shift]:
-                s = one(items, configs[k], slo)
+                s = one(items, configs[k], None, slo)
                 runs[k].append((goodput_of(s["goodput"]["n_good"], items), s["goodput"]["n_good"] / len(items),
                                 s["latency"]["e2e_ms"]["p99"]))
                 print(f"live round {r + 1} TPOT {tpot:g} ms {k}: goodput {runs[k][-1][0]:.2f} "
@@ -178,11 +168,11 @@ def live(n: int, seed: int, rounds: int) -> tuple[list[dict[str, Any]], dict[str
                      "adaptive_p99": med["adaptive"][2],
                      "held_out": held_out({k: [g for g, _, _ in runs[k]] for k in LIVE_GRID})})
     return rows, {"n": n, "seed": seed, "rounds": rounds, "capacity": cap, "step_ms": step_ms,
-                  "wall_s": time.perf_counter() - t0, "model": loaded.name}
+                  "wall_s": time.perf_counter() - t0, "model": model}
 
 
 def live_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    cpu = cpu_name()
     out = [f"## {SECTION}, live", "",
            f"The question above on this engine ({datetime.date.today().isoformat()}; {cpu}, {os.cpu_count()} cores, "
            f"{meta['model']}; command `python -m benchmarks.adaptive_tpot --live --live-requests {meta['n']} --rounds "

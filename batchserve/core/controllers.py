@@ -371,12 +371,15 @@ def offer_order(waits: Sequence[float], e2e: Sequence[float | None], max_tokens:
     itself (none: not counted); `lengths`: their expected output lengths (none: the longest)."""
     on: list[int] = []
     late: list[int] = []
-    paced: set[int] = set()  # whose time per token meets the target in this batch
+    paced: set[int] = set()  # the late whose time per token meets the target in this batch
     for i, (w, e, ln) in enumerate(zip(waits, e2e, _lens(lengths, len(waits)))):
         t = now_t if i >= len(alone) else BatchTimes(now_t.first, now_t.decode, max(now_t.total, alone[i]))
-        (on if _meets(w, e, t, targets, ln) else late).append(i)
-        if _tpot_ok(t, targets, ln):
-            paced.add(i)
+        if _meets(w, e, t, targets, ln):
+            on.append(i)
+        else:
+            late.append(i)
+            if _tpot_ok(t, targets, ln):
+                paced.add(i)
     if not on or not late:
         return list(range(len(waits)))
     bound = max(max_tokens[i] for i in on)
