@@ -188,6 +188,8 @@ def add_simulate_parser(sub: argparse._SubParsersAction, common: argparse.Argume
     g.add_argument("--burstiness", type=float, default=None, help="gamma arrivals: CV^2 of the gaps")
     g.add_argument("--arrival-args", default=None, help='JSON of more arrival parameters, e.g. \'{"step_s": 5}\'')
     g.add_argument("--scale", type=float, default=None, help="multiply every length of the mix")
+    g.add_argument("--max-tokens", type=int, default=None,
+                   help="every request asks for this many; its output ends at its drawn length (EOS)")
     g.add_argument("--seed", type=int, default=0, help="workload and sampling seed")
     g.add_argument("--hardware", default=None, choices=sorted(GPUS), help="roofline GPU (default a100-80gb)")
     g.add_argument("--profile", default=None, metavar="FILE.json", help="step times from `batchserve profile`")

@@ -12,6 +12,7 @@ deterministic per seed; a seed draws the arrivals and lengths, and for the trace
 trace itself (seed 0: the sample in the package, seed s: the sample generator's draw for s).
 
     python -m benchmarks.adaptive [--out BENCHMARKS.md]          # simulated, every regime
+    python -m benchmarks.adaptive --max-tokens 512               # ... outputs ending at EOS
     python -m benchmarks.adaptive --live [--out BENCHMARKS.md]   # day and bursts on this machine
     python -m benchmarks.adaptive --live --live-regimes "day,on/off bursts,BurstGPT replay"
 """
@@ -57,16 +58,18 @@ REGIMES = {  # name -> (workload, share of its capacity, arrival process and its
 }
 
 
-def workload(name: str, n: int, rate: float, seed: int, **kw: Any) -> list[WorkItem]:
-    return make_workload(name, n, rate, seed=seed, scale=SCALE, **kw)
+def workload(name: str, n: int, rate: float, seed: int, eos_cap: int | None = None, **kw: Any) -> list[WorkItem]:
+    """A workload at SCALE; `eos_cap`: every request asks for that many tokens and its drawn
+    length is where its output ends (None: it asks for its length)."""
+    return make_workload(name, n, rate, seed=seed, scale=SCALE, max_tokens=eos_cap, **kw)
 
 
-def calibrate(cost: Any, name: str, n: int, seed: int) -> tuple[float, float]:
+def calibrate(cost: Any, name: str, n: int, seed: int, eos_cap: int | None = None) -> tuple[float, float]:
     """(capacity, P99) of a workload under the fixed 50 ms / 32 point: its saturation rate, and
     its P99 end-to-end latency at half that rate (ms, rounded to 100 ms)."""
     fixed = engine("static", window_ms=50.0, max_batch=32)
-    cap = rate_of(simulate(fixed, cost, workload(name, max(64, n // 2), SATURATION_RATE, seed)))
-    half = simulate(fixed, cost, workload(name, n, cap / 2, seed))
+    cap = rate_of(simulate(fixed, cost, workload(name, max(64, n // 2), SATURATION_RATE, seed, eos_cap)))
+    half = simulate(fixed, cost, workload(name, n, cap / 2, seed, eos_cap))
     return cap, 100.0 * round(half.summary["latency"]["e2e_ms"]["p99"] / 100.0)
 
 
@@ -83,30 +86,31 @@ def trace_draw(mix: str, seed: int, directory: str) -> str:
     return path
 
 
-def regime_items(name: str, cap: float, n: int, seed: int) -> list[WorkItem]:
+def regime_items(name: str, cap: float, n: int, seed: int, eos_cap: int | None = None) -> list[WorkItem]:
     mix, share, kw = REGIMES[name]
     if mix in TRACE_DRAWS and seed != 0:
         with tempfile.TemporaryDirectory(prefix="batchserve-trace-") as d:
-            return _regime_items(trace_draw(mix, seed, d), share, kw, cap, n, seed)
-    return _regime_items(mix, share, kw, cap, n, seed)
+            return _regime_items(trace_draw(mix, seed, d), share, kw, cap, n, seed, eos_cap)
+    return _regime_items(mix, share, kw, cap, n, seed, eos_cap)
 
 
-def _regime_items(mix: str, share: float, kw: dict[str, Any], cap: float, n: int, seed: int) -> list[WorkItem]:
+def _regime_items(mix: str, share: float, kw: dict[str, Any], cap: float, n: int, seed: int,
+                  eos_cap: int | None = None) -> list[WorkItem]:
     kw = dict(kw)
     if kw.get("arrival") == "step":
         kw["step_s"] = n / (share * cap) / 3
     if kw.get("arrival") == "piecewise":  # phases in quarters of the run's expected length
         q = n / (share * cap) / len(kw["phases"])
         kw["phases"] = [(d * q, f / share) for d, f in kw["phases"]]
-    return workload(mix, n if share > 0.1 else max(50, n // 8), share * cap, seed, **kw)
+    return workload(mix, n if share > 0.1 else max(50, n // 8), share * cap, seed, eos_cap, **kw)
 
 
 def compare(name: str, cap: float, slo_ms: float, n: int, seeds: list[int],
-            factors: Sequence[float] = ()) -> dict[str, Any]:
+            factors: Sequence[float] = (), eos_cap: int | None = None) -> dict[str, Any]:
     """One regime under one SLO: goodput (mean over seeds) and worst P99 of every grid point
     and of `dynamic`; the best grid point is the one with the most goodput, and the one picked
     on the other seeds (with more than one). `factors`: `dynamic` again at each of these
-    overdue factors (its default, 2, is the `dynamic` above)."""
+    overdue factors (its default, 2, is the `dynamic` above); `eos_cap`: as `workload`'s."""
     cost = RooflineCost(GPU, MODEL)
     slo = SLO(e2e_ms=slo_ms)
     configs = {(w, c): engine("static", window_ms=w, max_batch=c) for w in WINDOWS_MS for c in CAPS}
@@ -119,7 +123,7 @@ def compare(name: str, cap: float, slo_ms: float, n: int, seeds: list[int],
     p99 = dict.fromkeys(configs, 0.0)
     offered = 0.0
     for seed in seeds:
-        items = regime_items(name, cap, n, seed)
+        items = regime_items(name, cap, n, seed, eos_cap)
         offered += len(items) / max(items[-1].arrival, 1e-9) / len(seeds)
         for k, cfg in configs.items():
             res = simulate(cfg, cost, items, slo=slo)
@@ -136,13 +140,13 @@ def compare(name: str, cap: float, slo_ms: float, n: int, seeds: list[int],
 
 
 def run(n: int, seeds: list[int], tightness: list[float], jobs: int = 1,
-        factors: Sequence[float] = ()) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        factors: Sequence[float] = (), eos_cap: int | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Every regime under SLOs of each `tightness` x its workload's calibrated P99, `jobs`
     cells at a time (the simulator is deterministic: the same figures in any order)."""
     cost = RooflineCost(GPU, MODEL)
-    cal = {mix: calibrate(cost, mix, n, seeds[0]) for mix in sorted({m for m, _, _ in REGIMES.values()})}
+    cal = {mix: calibrate(cost, mix, n, seeds[0], eos_cap) for mix in sorted({m for m, _, _ in REGIMES.values()})}
     t0 = time.perf_counter()
-    cells = [(name, cal[mix][0], k * cal[mix][1], n, seeds, factors)
+    cells = [(name, cal[mix][0], k * cal[mix][1], n, seeds, factors, eos_cap)
              for k in tightness for name, (mix, _, _) in REGIMES.items()]
     if jobs > 1:
         with multiprocessing.get_context("fork").Pool(jobs) as pool:
@@ -150,7 +154,7 @@ def run(n: int, seeds: list[int], tightness: list[float], jobs: int = 1,
     else:
         rows = [compare(*c) for c in cells]
     meta = {"calibration": cal, "n": n, "seeds": seeds, "tightness": tightness, "wall_s": time.perf_counter() - t0,
-            "factors": list(factors)}
+            "factors": list(factors), "eos_cap": eos_cap}
     return rows, meta
 
 
@@ -181,12 +185,28 @@ def factor_table(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def eos_title(eos_cap: int | None) -> str:
+    """A section's title suffix where outputs end at EOS under a max_tokens bound."""
+    return "" if eos_cap is None else ", outputs ending at EOS"
+
+
+def eos_words(eos_cap: int | None) -> str:
+    """How the run sets output lengths, for a section's method line."""
+    if eos_cap is None:
+        return "every request asks for its drawn output length and runs to it"
+    return (f"every request asks for max_tokens {eos_cap} and its output ends at its drawn length (its EOS), "
+            "which no scheduler knows ahead")
+
+
 def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     day = datetime.date.today().isoformat()
     cal = "; ".join(f"{m}: {c:.1f} req/s, P99 {p:,.0f} ms" for m, (c, p) in meta["calibration"].items())
-    out = [f"## {SECTION}", "",
-           f"Command: `python -m benchmarks.adaptive{factor_flag(meta)}` ({day}; simulated: {GPU} roofline, {MODEL}, lengths at "
-           f"scale {SCALE}; {meta['n']} requests per regime and seed, seeds {', '.join(map(str, meta['seeds']))}). "
+    eos_cap = meta.get("eos_cap")
+    flags = factor_flag(meta) + ("" if eos_cap is None else f" --max-tokens {eos_cap}")
+    out = [f"## {SECTION}{eos_title(eos_cap)}", "",
+           f"Command: `python -m benchmarks.adaptive{flags}` ({day}; simulated: {GPU} roofline, {MODEL}, lengths at "
+           f"scale {SCALE}, {eos_words(eos_cap)}; {meta['n']} requests per regime and seed, seeds "
+           f"{', '.join(map(str, meta['seeds']))}). "
            f"Load is a share of the workload's capacity under the fixed 50 ms / 32 point, and the SLO is end to "
            f"end, {' or '.join(f'{k:g}x' for k in meta['tightness'])} that point's P99 at half load ({cal}). Goodput: requests within the SLO per second of "
            f"offered traffic, the mean over seeds. Grid: `static` at windows "
@@ -286,8 +306,9 @@ def live(n: int, seed: int, tightness: list[float], rounds: int = 1, regimes: Se
 
 def live_engine() -> tuple[Callable[..., dict[str, Any]], str]:
     """The default model, loaded once, and a function that drives a fresh engine over it through
-    a workload on the wall clock: one(items, sched, slo_ms, slo=None) -> the run's summary (sched:
-    SchedulerConfig fields; slo_ms, slo: the targets its goodput judges). Also the model's name."""
+    a workload on the wall clock: one(items, sched, slo_ms, slo=None, ignore_eos=True) -> the run's
+    summary (sched: SchedulerConfig fields; slo_ms, slo: the targets its goodput judges;
+    ignore_eos off: outputs end at the model's EOS). Also the model's name."""
     from batchserve.config import CacheConfig, ModelConfig
     from batchserve.runner.loader import load_model
     from batchserve.runner.model_runner import ModelRunner
@@ -299,8 +320,9 @@ def live_engine() -> tuple[Callable[..., dict[str, Any]], str]:
     eos = loaded.config.eos_token_id
 
     def one(items: list[WorkItem], sched: dict[str, Any], slo_ms: float | None,
-            slo: SLO | None = None) -> dict[str, Any]:
-        return run_one(runner, loaded.tokenizer, eos, items, sched, ccfg.block_size, False, slo_ms, slo)["summary"]
+            slo: SLO | None = None, ignore_eos: bool = True) -> dict[str, Any]:
+        return run_one(runner, loaded.tokenizer, eos, items, sched, ccfg.block_size, False, slo_ms, slo,
+                       ignore_eos)["summary"]
     return one, loaded.name
 
 
@@ -357,9 +379,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--live-regimes", default=",".join(LIVE_REGIMES), help="live: regimes, comma-separated")
     ap.add_argument("--live-requests", type=int, default=80, help="requests per live run")
     ap.add_argument("--rounds", type=int, default=1, help="live: runs of every configuration per cell (medians)")
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="simulated: every request asks for this many; its drawn length is where its output ends")
     ap.add_argument("--out", default=None, help="write the section into this Markdown file")
     a = ap.parse_args(argv)
     factors = [float(x) for x in a.overdue_factors.split(",") if x and float(x) != DEFAULT_K]
+    if a.live and a.max_tokens is not None:
+        ap.error("--max-tokens: simulated runs only")
     if a.live:
         regimes = a.live_regimes.split(",")
         if unknown := [r for r in regimes if r not in REGIMES]:
@@ -369,8 +395,8 @@ def main(argv: list[str] | None = None) -> None:
         text, heading = live_markdown(rows, meta), f"## {SECTION}, live"
     else:
         rows, meta = run(a.requests, [int(x) for x in a.seeds.split(",")], [float(x) for x in a.tightness.split(",")],
-                         max(1, a.jobs), factors)
-        text, heading = markdown(rows, meta), f"## {SECTION}"
+                         max(1, a.jobs), factors, a.max_tokens)
+        text, heading = markdown(rows, meta), f"## {SECTION}{eos_title(a.max_tokens)}"
     print(text)
     print(f"\n({meta['wall_s']:.0f} s)")
     if a.out:

@@ -101,9 +101,10 @@ class CountingExecutor:
 
 
 def run_one(runner, tokenizer, eos, items: list[WorkItem], sched: dict, block_size: int,
-            prefix_caching: bool, slo_ms: float | None, slo: SLO | None = None) -> dict:
+            prefix_caching: bool, slo_ms: float | None, slo: SLO | None = None, ignore_eos: bool = True) -> dict:
     """Drive one engine through the workload on the wall clock; summary + policy stats. `slo`:
-    targets beside `slo_ms` (end to end) that the summary's goodput judges."""
+    targets beside `slo_ms` (end to end) that the summary's goodput judges; `ignore_eos` off:
+    outputs end at the model's EOS, not only at their max_tokens."""
     cfg = EngineConfig(cache=CacheConfig(block_size=block_size, num_blocks=runner.num_blocks,
                                          prefix_caching=prefix_caching),
                        scheduler=SchedulerConfig(slo_p99_ms=slo_ms, **sched))
@@ -118,7 +119,7 @@ def run_one(runner, tokenizer, eos, items: list[WorkItem], sched: dict, block_si
         now = clock.now()
         while pending and t0 + pending[0].arrival <= now:
             it = pending.popleft()
-            params = SamplingParams(max_tokens=it.max_tokens, temperature=0.0, ignore_eos=True)
+            params = SamplingParams(max_tokens=it.max_tokens, temperature=0.0, ignore_eos=ignore_eos)
             req = eng.add_request(it.prompt_token_ids or it.prompt, params, now=t0 + it.arrival)
             recs[req.request_id] = RequestRecord(req.request_id, cls=it.cls, send_time=t0 + it.arrival,
                                                  prompt_tokens=req.num_prompt_tokens, status=200)

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from batchserve.bench.workload import WorkItem, make_workload
+from batchserve.bench.workload import WorkItem, ending_at_eos, make_workload
 from batchserve.config import CacheConfig, EngineConfig, LevelConfig, QueueConfig, SchedulerConfig
 from batchserve.core.policies import POLICIES
 from batchserve.engine.clock import SimClock
@@ -17,7 +17,7 @@ from batchserve.engine.engine import LLMEngine
 from batchserve.request import OverloadedError, SamplingParams
 from batchserve.sim.cost import RooflineCost
 from batchserve.sim.events import Arrival, EventQueue, StepEnd, StepStart
-from batchserve.sim.executor import SimExecutor
+from batchserve.sim.executor import STOP_TOKEN, SimExecutor
 from batchserve.sim.simulator import IDLE_POLL_S, MIN_WAKE_S, Simulator, prompt_ids
 
 COST = RooflineCost("a100-80gb", "llama-2-7b")
@@ -54,10 +54,12 @@ def live_batches(cfg: EngineConfig, items: list[WorkItem]) -> tuple[list, dict[s
         if not eng.has_unfinished:
             clock.set(max(clock.now(), items[i].arrival))
         while i < len(items) and items[i].arrival <= clock.now():
-            w = items[i]
+            w, ids = items[i], prompt_ids(items[i], i)
+            if w.eos_after is not None:  # the model stops there
+                ex.inner.ends[f"r{i}"] = len(ids) + w.eos_after - 1
             try:
-                eng.add_request(prompt_ids(w, i), SamplingParams(max_tokens=w.max_tokens, temperature=0.0,
-                                                                 ignore_eos=True),
+                eng.add_request(ids, SamplingParams(max_tokens=w.max_tokens, temperature=0.0, ignore_eos=True,
+                                                    stop_token_ids=(STOP_TOKEN,) * (w.eos_after is not None)),
                                 request_id=f"r{i}", priority=w.priority, deadline_ms=w.deadline_ms,
                                 deadline_kind=w.deadline_kind)
             except OverloadedError:
@@ -92,10 +94,11 @@ LEVELS = QueueConfig(levels=(LevelConfig("high", tuple(range(7, 11)), capacity=1
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
-@pytest.mark.parametrize("mix", ["chat", "priority-flood"])
+@pytest.mark.parametrize("mix", ["chat", "chat ending at EOS", "priority-flood"])
 def test_same_batches_as_live_engine(policy: str, mix: str) -> None:
-    if mix == "chat":
+    if mix.startswith("chat"):
         items = make_workload("chat", 60, 40.0, seed=3, scale=0.1)
+        items = ending_at_eos(items, 64) if mix.endswith("EOS") else items
         queue = None
     else:  # levels with caps (refusals, drops), deadlines (hard and soft), a surge
         items = make_workload("priority-flood", 80, 20.0, seed=4, arrival="step", factors=(1.0, 6.0, 1.0),
@@ -107,7 +110,7 @@ def test_same_batches_as_live_engine(policy: str, mix: str) -> None:
     live, ends = live_batches(cfg, items)
     assert len(res.batches) > 20
     assert res.batches == live  # same requests, same token counts, same positions, same start times
-    if mix != "chat":  # the run went through refusals, drops and deadline misses
+    if mix == "priority-flood":  # the run went through refusals, drops and deadline misses
         reasons = res.summary["finish_reasons"]
         assert reasons.get("rejected", 0) > 0 and reasons.get("deadline", 0) > 0
     assert {r.id: r.end_time if r.status == 200 else None for r in res.records} == ends
@@ -121,6 +124,30 @@ def test_outputs_have_the_workload_lengths() -> None:
     assert {r.finish_reason for r in res.records} == {"length"}
     assert all(len(r.token_times) == r.output_tokens for r in res.records)
     assert res.summary["n_ok"] == 50
+
+
+@pytest.mark.parametrize("policy", ["continuous", "static", "dynamic"])
+def test_outputs_end_where_the_workload_says(policy: str) -> None:
+    """With max_tokens only a bound, each output stops at its `eos_after` (finish reason stop),
+    and every KV block comes back."""
+    drawn = make_workload("chat", 50, 30.0, seed=1, scale=0.2)
+    items = ending_at_eos(drawn, 300)
+    assert {w.max_tokens for w in items} == {300} and [w.eos_after for w in items] == [w.max_tokens for w in drawn]
+    sim = Simulator(config(policy), COST, num_blocks=4 * BLOCKS)
+    res = sim.run(items)
+    assert [r.output_tokens for r in res.records] == [w.eos_after for w in items]
+    assert {r.finish_reason for r in res.records} == {"stop"}
+    assert all(len(r.token_times) == r.output_tokens for r in res.records)
+    sim.engine.kv.check_all_free()
+
+
+def test_ending_at_eos_keeps_lengths_within_the_bound() -> None:
+    items = make_workload("chat", 40, 10.0, seed=2, scale=0.5)
+    capped = ending_at_eos(items, 20)
+    assert [w.eos_after for w in capped] == [min(w.max_tokens, 20) for w in items]
+    assert [w.arrival for w in capped] == [w.arrival for w in items]
+    with pytest.raises(ValueError, match="max_tokens"):
+        ending_at_eos(items, 0)
 
 
 def test_deterministic_per_seed() -> None:

@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from batchserve.bench.workload import make_workload
 from batchserve.cli import main
 from batchserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from batchserve.scenarios import SCENARIOS, ScenarioUnavailable, run_scenario
@@ -65,6 +66,21 @@ def test_sweep_without_an_slo_and_judged_by_attainment(capsys) -> None:
     attained = [float(r.split("|")[3]) / float(r.split("|")[2]) for r in rows]  # goodput / throughput
     assert all(a < 0.99 for a in attained) and all(r.rstrip(" |").endswith("no") for r in rows)
     assert "no setting meets the SLO (99% completed, E2E P99 <= 100000 ms, attainment >= 99%)" in out
+
+
+def test_max_tokens_is_a_bound_and_outputs_end_at_their_drawn_length(tmp_path, capsys) -> None:
+    """`--max-tokens`: every request asks for that many, each output stops where the workload's
+    drawn length says (finish reason stop), and a bound below 1 is refused by name."""
+    args = ["simulate", "--workload", "chat", "--scale", "0.2", "--requests", "40", "--rate", "20", "--seed", "3",
+            "--out", str(tmp_path)]
+    assert main(args + ["--max-tokens", "300"]) == 0
+    records = [json.loads(x) for x in open(tmp_path / "records_r20.jsonl")]
+    drawn = [w.max_tokens for w in make_workload("chat", 40, 20.0, seed=3, scale=0.2)]
+    assert [r["output_tokens"] for r in records] == drawn
+    assert {r["finish_reason"] for r in records} == {"stop"}
+    capsys.readouterr()
+    assert main(args + ["--max-tokens", "0"]) != 0
+    assert "--max-tokens must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_a_run_whose_every_request_is_refused_still_reports(capsys) -> None:

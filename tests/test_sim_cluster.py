@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from batchserve.bench.workload import WorkItem, make_workload
+from batchserve.bench.workload import WorkItem, ending_at_eos, make_workload
 from batchserve.config import CacheConfig, EngineConfig, LevelConfig, QueueConfig, SchedulerConfig
 from batchserve.sim.cluster import ClusterSimulator, kv_bytes_per_token
 from batchserve.sim.cost import RooflineCost
@@ -110,6 +110,21 @@ def test_disaggregated_loses_nothing(num_blocks: int | None) -> None:
         assert decode_tokens == sum(it.max_tokens - 1 for it in handed)
     else:
         assert sum(e["preemptions"] for e in res.engines if e["role"] == "decode") > 0
+
+
+def test_disaggregated_outputs_end_where_the_workload_says() -> None:
+    """The decode engines stop an adopted request where its model would (the prefill engine
+    where that is its first token): every output at its `eos_after`, every block back."""
+    items = ending_at_eos(make_workload("chat", 80, 40.0, seed=5, scale=0.2), 200)
+    sim = ClusterSimulator(EngineConfig(), COST, prefill=1, decode=2, seed=5)
+    res = sim.run(items)
+    recs = {r.id: r for r in res.records}
+    for i, item in enumerate(items):
+        r = recs[f"r{i}"]
+        assert (r.ok, r.finish_reason, r.output_tokens) == (True, "stop", item.eos_after)
+    assert res.handoff["count"] == sum(1 for it in items if it.eos_after > 1)
+    for node in sim.nodes:
+        node.engine.kv.check_all_free()
 
 
 def test_handoff_delay_is_charged() -> None:

@@ -62,7 +62,9 @@ from batchserve.request import DEFAULT_PRIORITY, DeadlineKind, check_priority
 class WorkItem:
     """One request of a workload. `arrival` is seconds from the start; `cls` labels the
     request class / priority level for per-class statistics; `user` the OpenAI field (the
-    tenant), sent when set."""
+    tenant), sent when set; `eos_after` where the simulator's model ends the output (its EOS,
+    1 <= eos_after <= max_tokens; None: it runs to max_tokens; a live model ends where it
+    does)."""
 
     arrival: float
     prompt_len: int
@@ -74,6 +76,7 @@ class WorkItem:
     deadline_kind: str | None = None
     cls: str = "default"
     user: str | None = None
+    eos_after: int | None = None
 
 
 @dataclass(frozen=True)
@@ -148,7 +151,7 @@ def make_workload(name_or_file: str | Sequence[RequestClass], n: int, rate: floa
                   arrival: str | None = None, tokenizer: Any = None, scale: float | None = None,
                   deadline_scale: float = 1.0, classes: Sequence[RequestClass] | None = None,
                   trace_format: str | None = None, time_scale: float | None = None,
-                  **arrival_kwargs: Any) -> list[WorkItem]:
+                  max_tokens: int | None = None, **arrival_kwargs: Any) -> list[WorkItem]:
     """`n` requests of a mix (a name in MIXES, or a sequence of RequestClass) or a trace file,
     at mean `rate` requests/s.
 
@@ -160,7 +163,12 @@ def make_workload(name_or_file: str | Sequence[RequestClass], n: int, rate: floa
     is drawn into a class by share and takes its name, priority and deadline (the trace's
     lengths are kept). A trace is a file, or the name of a sample in `bench.traces.SAMPLES`,
     in `trace_format` (`bench.traces.FORMATS`; None: sniffed); `time_scale` multiplies its
-    timestamps (instead of stretching them to `rate`)."""
+    timestamps (instead of stretching them to `rate`). `max_tokens`: every request asks for
+    that many and ends where its drawn length says (`ending_at_eos`); None: it asks for its
+    drawn length."""
+    if max_tokens is not None:
+        return ending_at_eos(make_workload(name_or_file, n, rate, seed, arrival, tokenizer, scale, deadline_scale,
+                                           classes, trace_format, time_scale, **arrival_kwargs), max_tokens)
     rng = np.random.default_rng(seed)
     if isinstance(name_or_file, str) and name_or_file not in MIXES:
         from batchserve.bench import traces  # traces builds on this module's WorkItem and prompts
@@ -229,6 +237,15 @@ def assign_classes(items: Sequence[WorkItem], classes: Sequence[RequestClass], r
         out.append(dataclasses.replace(w, priority=c.priority, deadline_ms=dl, deadline_kind=c.deadline_kind,
                                        cls=c.name))
     return out
+
+
+def ending_at_eos(items: Sequence[WorkItem], max_tokens: int) -> list[WorkItem]:
+    """The same requests as clients send them when max_tokens is only a bound: each asks for
+    `max_tokens`, and its own length becomes where its output ends (`eos_after`, at most the
+    bound). A scheduler then knows a request's length only once it has ended."""
+    if max_tokens < 1:
+        raise ValueError(f"ending_at_eos: max_tokens must be >= 1, got {max_tokens}")
+    return [dataclasses.replace(w, max_tokens=max_tokens, eos_after=min(w.max_tokens, max_tokens)) for w in items]
 
 
 def offered_rate(arrivals: Sequence[float]) -> float:

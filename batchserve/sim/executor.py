@@ -8,6 +8,7 @@ BatchKey = tuple[tuple[str, int, int], ...]
 
 TOKEN_BASE = 1000  # ordinary ids (no special tokens in common vocabularies live here)
 TOKEN_SPAN = 20000
+STOP_TOKEN = TOKEN_BASE - 1  # below every ordinary id (avoiding ids only moves those up)
 
 
 def batch_key(batch: ScheduledBatch) -> BatchKey:
@@ -19,9 +20,12 @@ class SimExecutor:
     """Implements the engine's Executor protocol without a model.
 
     Every sequence that samples gets an ordinary token id (a function of its position, so
-    identical prefixes get identical continuations, as greedy decoding would give). It is
-    never an EOS or stop token: a simulated request ends by its max_tokens, which is how the
-    workload sets its output length. `step_time` is the cost model's prediction.
+    identical prefixes get identical continuations, as greedy decoding would give), never an
+    EOS or stop token, except at the position `ends` names for its request (request id ->
+    the position of its last output token), where it gets STOP_TOKEN: a simulated request
+    ends by its max_tokens, which is how the workload sets its output length, or where the
+    workload says its model would stop (the caller sends such a request with STOP_TOKEN among
+    its stop_token_ids). `step_time` is the cost model's prediction.
     """
 
     def __init__(self, cost: CostModel, block_size: int, num_blocks: int | None = None,
@@ -35,6 +39,7 @@ class SimExecutor:
         self.num_tokens = 0
         self.trace: list[BatchKey] | None = [] if record else None  # every batch, as data
         self.last_step_time = 0.0
+        self.ends: dict[str, int] = {}
 
     def token_for(self, position: int) -> int:
         tok = TOKEN_BASE + position % TOKEN_SPAN
@@ -48,7 +53,11 @@ class SimExecutor:
         self.busy_time += dt
         self.last_step_time = dt
         seqs = batch.seqs
-        if self.avoid_ids:
+        if self.ends:  # some outputs end at a stop token
+            token_for, ends = self.token_for, self.ends
+            sampled = {s.request_id: STOP_TOKEN if ends.get(s.request_id) == (p := s.start_pos + len(s.token_ids))
+                       else token_for(p) for s in seqs if s.sample}
+        elif self.avoid_ids:
             token_for = self.token_for
             sampled = {s.request_id: token_for(s.start_pos + len(s.token_ids)) for s in seqs if s.sample}
         else:  # token_for without ids to avoid (one comprehension: this runs for every sequence every step)

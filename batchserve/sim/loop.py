@@ -39,7 +39,7 @@ from batchserve.engine.engine import LLMEngine
 from batchserve.request import OverloadedError, RequestError, SamplingParams
 from batchserve.sim.cost import CostModel
 from batchserve.sim.events import Arrival, EventQueue, KVArrival, StepEnd, StepStart
-from batchserve.sim.executor import TOKEN_BASE, SimExecutor
+from batchserve.sim.executor import STOP_TOKEN, TOKEN_BASE, SimExecutor
 
 IDLE_POLL_S = 0.002  # the async engine's wait when a step runs nothing (engine/async_engine.py)
 MIN_WAKE_S = 1e-6  # a due time at or before `now` (rounding) is retried this much later
@@ -156,8 +156,10 @@ class SimLoop:
         self._next_item = 0
         self._handlers = {Arrival: self._arrive, KVArrival: self._kv_arrive, StepStart: self._step_start,
                           StepEnd: self._step_end}
+        self._ends: dict[str, int] = {}  # request id -> the position of its last output token, where it ends early
         for node in self.nodes:
             node.reset()
+            node.executor.ends = self._ends
 
     def run(self) -> list[RequestRecord]:
         """Every event to the last; the records, one per item. Raises SimulationStuck when
@@ -189,6 +191,8 @@ class SimLoop:
         self._rec[i] = rec
         self.records.append(rec)
         self._ids[i] = ids = prompt_ids(item, i)
+        if item.eos_after is not None:
+            self._ends[rec.id] = len(ids) + item.eos_after - 1
         keys = self.route("entry", item.priority, ids)
         self._place(Job(i, None, keys, len(ids) + PER_WAITING, item.priority), ev.time)
 
@@ -258,7 +262,8 @@ class SimLoop:
     def _admit(self, node: SimNode, job: Job, now: float) -> None:
         item, rec = self.items[job.index], self._rec[job.index]
         ids = self._ids[job.index]
-        params = SamplingParams(max_tokens=item.max_tokens, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=item.max_tokens, temperature=0.0, ignore_eos=True,
+                                stop_token_ids=() if item.eos_after is None else (STOP_TOKEN,))
         opts = {"now": now, "request_id": rec.id, "priority": item.priority, "deadline_ms": item.deadline_ms,
                 "deadline_kind": item.deadline_kind}
         try:

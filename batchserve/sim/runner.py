@@ -200,6 +200,8 @@ def run_cli(a: Any, config: EngineConfig) -> int:
     for flag, v in (("--rate", a.rate), ("--scale", a.scale), ("--time-scale", a.time_scale)):
         if v is not None and not (v > 0 and math.isfinite(v)):
             raise ConfigError(f"{flag} must be a finite number > 0, got {v:g}")
+    if a.max_tokens is not None and a.max_tokens < 1:
+        raise ConfigError(f"--max-tokens must be >= 1, got {a.max_tokens}")
     if a.requests is not None and a.requests < 0:
         raise ConfigError(f"--requests must be >= 0 (0: the whole trace), got {a.requests}")
     if a.time_scale is not None and (a.rate is not None or a.find_max_goodput):
@@ -214,10 +216,10 @@ def run_cli(a: Any, config: EngineConfig) -> int:
     rate = 0.0 if own_timing else a.rate if a.rate is not None else DEFAULT_RATE
     workload = {"name_or_file": name, "n": a.requests or DEFAULT_REQUESTS, "rate": rate, "seed": a.seed,
                 "arrival": a.arrival, "scale": a.scale, "trace_format": a.trace_format, "time_scale": a.time_scale,
-                **arrival_kw}
+                "max_tokens": a.max_tokens, **arrival_kw}
     meta = {"label": f"sim {config.scheduler.policy}", "cost": cost.describe(), "workload": workload["name_or_file"],
             "requests": workload["n"], "seed": a.seed, "arrival": a.arrival, "arrival_args": arrival_kw,
-            "scale": a.scale, "slo_ms": limit, "slo": glob.targets() if glob else {},
+            "scale": a.scale, "max_tokens": a.max_tokens, "slo_ms": limit, "slo": glob.targets() if glob else {},
             "class_slo": {k: v.targets() for k, v in per.items()}, "policy": config.scheduler.policy,
             "scheduler": dataclasses.asdict(config.scheduler), "block_size": config.cache.block_size}
     print(f"{cost.name}: {cost.num_blocks(config.cache.block_size)} KV blocks of {config.cache.block_size} "
