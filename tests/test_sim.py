@@ -141,13 +141,19 @@ def test_outputs_end_where_the_workload_says(policy: str) -> None:
     sim.engine.kv.check_all_free()
 
 
-def test_ending_at_eos_keeps_lengths_within_the_bound() -> None:
+def test_an_output_longer_than_the_bound_is_cut_there() -> None:
     items = make_workload("chat", 40, 10.0, seed=2, scale=0.5)
-    capped = ending_at_eos(items, 20)
-    assert [w.eos_after for w in capped] == [min(w.max_tokens, 20) for w in items]
+    capped = ending_at_eos(items, 100)
+    assert [w.eos_after for w in capped] == [w.max_tokens if w.max_tokens <= 100 else None for w in items]
     assert [w.arrival for w in capped] == [w.arrival for w in items]
+    res = Simulator(config("continuous"), COST, num_blocks=4 * BLOCKS).run(capped)
+    assert [(r.output_tokens, r.finish_reason) for r in res.records] == \
+        [(min(w.max_tokens, 100), "stop" if w.max_tokens <= 100 else "length") for w in items]
+    assert {"stop", "length"} == {r.finish_reason for r in res.records}
     with pytest.raises(ValueError, match="max_tokens"):
         ending_at_eos(items, 0)
+    with pytest.raises(ValueError, match="eos_after"):
+        dataclasses.replace(items[0], eos_after=items[0].max_tokens + 1)
 
 
 def test_deterministic_per_seed() -> None:

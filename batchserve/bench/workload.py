@@ -63,8 +63,8 @@ class WorkItem:
     """One request of a workload. `arrival` is seconds from the start; `cls` labels the
     request class / priority level for per-class statistics; `user` the OpenAI field (the
     tenant), sent when set; `eos_after` where the simulator's model ends the output (its EOS,
-    1 <= eos_after <= max_tokens; None: it runs to max_tokens; a live model ends where it
-    does)."""
+    1 <= eos_after <= max_tokens; None: it runs to max_tokens; a live run with ignore_eos off
+    ends where its model does)."""
 
     arrival: float
     prompt_len: int
@@ -77,6 +77,10 @@ class WorkItem:
     cls: str = "default"
     user: str | None = None
     eos_after: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.eos_after is not None and not 1 <= self.eos_after <= self.max_tokens:
+            raise ValueError(f"WorkItem: eos_after must be in [1, max_tokens={self.max_tokens}], got {self.eos_after}")
 
 
 @dataclass(frozen=True)
@@ -164,8 +168,8 @@ def make_workload(name_or_file: str | Sequence[RequestClass], n: int, rate: floa
     lengths are kept). A trace is a file, or the name of a sample in `bench.traces.SAMPLES`,
     in `trace_format` (`bench.traces.FORMATS`; None: sniffed); `time_scale` multiplies its
     timestamps (instead of stretching them to `rate`). `max_tokens`: every request asks for
-    that many and ends where its drawn length says (`ending_at_eos`); None: it asks for its
-    drawn length."""
+    that many and ends where its drawn length says, or at the bound (`ending_at_eos`); None: it
+    asks for its drawn length."""
     if max_tokens is not None:
         return ending_at_eos(make_workload(name_or_file, n, rate, seed, arrival, tokenizer, scale, deadline_scale,
                                            classes, trace_format, time_scale, **arrival_kwargs), max_tokens)
@@ -241,11 +245,13 @@ def assign_classes(items: Sequence[WorkItem], classes: Sequence[RequestClass], r
 
 def ending_at_eos(items: Sequence[WorkItem], max_tokens: int) -> list[WorkItem]:
     """The same requests as clients send them when max_tokens is only a bound: each asks for
-    `max_tokens`, and its own length becomes where its output ends (`eos_after`, at most the
-    bound). A scheduler then knows a request's length only once it has ended."""
+    `max_tokens`, and its own length becomes where its output ends (`eos_after`); one longer
+    than the bound is cut there (finish reason "length"). A scheduler then knows a request's
+    length only once it has ended."""
     if max_tokens < 1:
         raise ValueError(f"ending_at_eos: max_tokens must be >= 1, got {max_tokens}")
-    return [dataclasses.replace(w, max_tokens=max_tokens, eos_after=min(w.max_tokens, max_tokens)) for w in items]
+    return [dataclasses.replace(w, max_tokens=max_tokens, eos_after=w.max_tokens if w.max_tokens <= max_tokens else None)
+            for w in items]
 
 
 def offered_rate(arrivals: Sequence[float]) -> float:
@@ -343,7 +349,11 @@ def _from_trace(path: str, n: int, rate: float, rng: np.random.Generator, arriva
 
 
 def save_trace(items: list[WorkItem], path: str) -> None:
-    """Write items as a JSONL trace that `make_workload(path, ...)` replays."""
+    """Write items as a JSONL trace that `make_workload(path, ...)` replays (a row's max_tokens is
+    its output length, so items that end before their max_tokens have no row form)."""
+    if any(w.eos_after is not None for w in items):
+        raise ValueError("save_trace: items ending at EOS (eos_after) have no trace form; save them before "
+                         "ending_at_eos")
     with open(path, "w") as f:
         for w in items:
             row: dict[str, Any] = {"timestamp": w.arrival, "prompt_len": w.prompt_len, "max_tokens": w.max_tokens,
