@@ -149,19 +149,23 @@ def live(n: int, seed: int, rounds: int, mix: str = "short-long", eos_cap: int |
     point and `dynamic`, `rounds` times; medians over the rounds. `eos_cap`: every request asks
     for that many tokens and its output ends at the model's EOS, so no one knows its length
     ahead (None: each asks for its drawn length and runs to it)."""
-    one, model = live_engine()
-    ign = eos_cap is None
-    one(workload(mix, 8, 100.0, seed + 99, eos_cap), dict(policy="static", window_ms=50.0, max_batch=32), None,
-        ignore_eos=ign)  # warm up
-    full = one(workload(mix, 64, SATURATION_RATE, seed, eos_cap), dict(policy="static", window_ms=50.0, max_batch=32),
-               None, ignore_eos=ign)
+    engine_run, model = live_engine()
+
+    def one(items: list[Any], sched: dict[str, Any], slo: SLO | None = None) -> dict[str, Any]:
+        return engine_run(items, sched, None, slo, ignore_eos=eos_cap is None)
+
+    def wl(k: int, rate: float, s: int = seed) -> list[Any]:
+        return workload(mix, k, rate, s, eos_cap)
+
+    one(wl(8, 100.0, seed + 99), dict(policy="static", window_ms=50.0, max_batch=32))  # warm up
+    full = one(wl(64, SATURATION_RATE), dict(policy="static", window_ms=50.0, max_batch=32))
     cap = full["throughput_rps"]
-    step_ms = one(workload(mix, 16, SATURATION_RATE, seed, eos_cap), dict(policy="static", window_ms=0.0, max_batch=1),
-                  None, ignore_eos=ign)["latency"]["tpot_ms"]["p50"]
+    alone = one(wl(16, SATURATION_RATE), dict(policy="static", window_ms=0.0, max_batch=1))
+    step_ms = alone["latency"]["tpot_ms"]["p50"]
     ended = full["finish_reasons"].get("stop", 0) / max(1, sum(full["finish_reasons"].values()))
     print(f"live: {mix}: capacity {cap:.2f} req/s, a step alone {step_ms:.1f} ms, {ended:.0%} ended at EOS",
           flush=True)
-    items = workload(mix, n, 0.7 * cap, seed, eos_cap)
+    items = wl(n, 0.7 * cap)
     rows = []
     t0 = time.perf_counter()
     for x in (2.0, 4.0):
@@ -176,7 +180,7 @@ def live(n: int, seed: int, rounds: int, mix: str = "short-long", eos_cap: int |
         for r in range(rounds):
             shift = r % len(keys)
             for k in keys[shift:] + keys[:shift]:
-                s = one(items, configs[k], None, slo, ignore_eos=ign)
+                s = one(items, configs[k], slo)
                 runs[k].append((goodput_of(s["goodput"]["n_good"], items), s["goodput"]["n_good"] / len(items),
                                 s["latency"]["e2e_ms"]["p99"]))
                 print(f"live round {r + 1} TPOT {tpot:g} ms {k}: goodput {runs[k][-1][0]:.2f} "
@@ -189,7 +193,8 @@ def live(n: int, seed: int, rounds: int, mix: str = "short-long", eos_cap: int |
                      "adaptive_goodput": med["adaptive"][0], "adaptive_attainment": med["adaptive"][1],
                      "adaptive_p99": med["adaptive"][2],
                      # against the same point's run of that round: how far the noise reaches
-                     "rounds": [a / b if b > 0 else math.inf for (a, _, _), (b, _, _) in zip(runs["adaptive"], runs[best])],
+                     "rounds": [a / b if b > 0 else math.inf
+                                for (a, _, _), (b, _, _) in zip(runs["adaptive"], runs[best])],
                      "held_out": held_out({k: [g for g, _, _ in runs[k]] for k in LIVE_GRID})})
     return rows, {"n": n, "seed": seed, "rounds": rounds, "capacity": cap, "step_ms": step_ms, "mix": mix,
                   "eos_cap": eos_cap, "ended": ended, "wall_s": time.perf_counter() - t0, "model": model}
