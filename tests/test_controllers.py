@@ -5,10 +5,10 @@ import math
 
 import pytest
 
-from batchserve.core.controllers import (BatchTimes, SortedWindow, Targets, batch_cap, batch_times,
+from batchserve.core.controllers import (BatchTimes, LengthLaw, SortedWindow, Targets, batch_cap, batch_times,
                                          bucket_distance, decode_time, ewma, expected_lengths, floor_size,
-                                         hopeless_last, length_bucket, offer_order, percentile, pace_size,
-                                         plan_batch, rate_size, slo_size)
+                                         hopeless_last, law_size, length_bucket, offer_order, percentile,
+                                         pace_size, plan_batch, rate_size, slo_size)
 
 def linear(base: float, per: float):
     """times(b) for a batch whose whole time is base + per * b s (prefill a tenth of it)."""
@@ -306,3 +306,38 @@ def test_batch_times_can_price_each_prefill_step_as_whole_prompts():
     t = batch_times(lambda tokens, seqs: 0.01, 64, 512, [4] * 64, 8192, prompts=whole)
     assert calls == [(8192, 16)] and t.first == 4 * 0.5 and t.decode == 0.01
     assert batch_times(lambda tokens, seqs: 0.01, 64, 512, [4] * 64, 8192).first == 4 * 0.01
+
+
+SHORT_LONG = [10.0] * 9 + [100.0]  # recent outputs that ended at EOS: a tenth long
+
+
+def test_a_length_law_prices_a_batch_by_its_longest_member():
+    law = LengthLaw(SHORT_LONG, 512)
+    assert (law.xs, law.ps) == ([10.0, 100.0], pytest.approx([0.9, 0.1]))
+    assert (law.cdf(9), law.cdf(50), law.cdf(100)) == (0.0, pytest.approx(0.9), pytest.approx(1.0))
+    step = lambda tokens, seqs: 0.01  # noqa: E731
+    # b = 2: both run to 10; past it one row runs while either is long, P = 1 - 0.9^2 = 0.19
+    span, tokens = law.span(step, 2)
+    assert span == pytest.approx(9 * 0.01 + 90 * 0.19 * 0.01)
+    assert tokens == pytest.approx(0.81 * 10 + 0.19 * 100 - 1)  # E[M - 1]
+    # a short member meets a 20 ms target only beside another short (19 >= M'), a long one always
+    assert law.tpot_share(2, 0.01, 0.020) == pytest.approx(0.9 * 0.9 + 0.1)
+    assert law.tpot_share(2, 0.03, 0.020) == 0.0  # one decode step already misses
+    assert LengthLaw([math.inf] * 4, 64).xs == [64.0]  # cut at the bound: as long as it
+    assert LengthLaw([1.0, 5.0], 64).tpot_share(8, 0.03, 0.020) == pytest.approx(0.5)  # one token: always
+
+
+def test_lengths_known_to_no_one_size_the_batch_by_its_chance_of_a_long_member():
+    """Constant 10 ms steps, no prefill: g(b) E[b / B(b)] peaks at b = 4 (6.43 requests in time a
+    second against 6.33 at 3 and 6.40 at 5): a larger batch runs faster but more often holds a
+    long output, past which every short member misses."""
+    step = lambda tokens, seqs: 0.01  # noqa: E731
+    times = lambda b: BatchTimes(0.0, 0.01, 0.01)  # noqa: E731
+    law = LengthLaw(SHORT_LONG, 512)
+    assert law_size(times, 32, 0.020, law, step) == 4
+    assert law_size(times, 32, 0.020, LengthLaw([10.0] * 10, 512), step) == 32  # no long one: the largest
+    assert law_size(times, 32, 0.020, law, step, long_gap=1 / 6.0) == 2  # 6/s: 2 keeps pace, 91 % in time
+    # batch_cap takes it for a TPOT target alone, and not where a request has its own deadline
+    t = Targets(tpot=0.020)
+    assert batch_cap(times, 32, t, math.inf, 12, False, [0.0] * 12, [None] * 12, law=(law, step)) == (4, False)
+    assert batch_cap(times, 32, t, math.inf, 12, False, [0.0] * 12, [5.0] * 12, law=(law, step)) != (4, False)

@@ -294,3 +294,32 @@ def test_dynamic_a_tpot_target_keeps_short_outputs_out_of_long_batches(make_fake
     assert all(len({rid[0] for rid in ids}) == 1 for ids in formed)  # shorts and longs apart
     tpot = {rid: (o.finish_time - o.first_token_time) / (len(o.token_ids) - 1) for rid, (o, _) in done.items()}
     assert max(tpot.values()) <= 0.030
+
+
+@pytest.mark.parametrize("outputs, size", [([10] * 90 + [100] * 10, 4), ([10] * 100, 20), ([math.inf] * 100, 20)])
+def test_dynamic_with_lengths_known_to_no_one_sizes_by_the_chance_of_a_long_output(outputs, size):
+    """Twenty requests that each ask for 512 tokens, a 20 ms TPOT target and 10 ms steps. Where a
+    tenth of recent outputs ran 100 tokens and the rest 10 (they ended at EOS), a batch of 4
+    serves the most in time per second: larger ones more often hold a long output, past which
+    every short member misses. With every output 10 tokens, or every one cut at its max_tokens
+    (lengths then known), the whole queue goes."""
+    from types import SimpleNamespace as NS
+
+    from batchserve.core.policies.dynamic import DynamicPolicy
+
+    class Flat:
+        ready = True
+
+        def predict_step(self, tokens: int, seqs: int) -> float:
+            return 0.010
+
+    now = 100.0
+    queue = [NS(request_id=f"r{i}", arrival_time=now, num_prompt_tokens=4, max_tokens=512, deadline_ms=None)
+             for i in range(20)]
+    sched = NS(waiting=queue, latency=Flat(), config=NS(max_num_seqs=32, max_num_batched_tokens=8192))
+    pol = DynamicPolicy(SchedulerConfig(policy="dynamic", max_batch=32, slo_tpot_ms=20.0))
+    for x in outputs:
+        pol.outputs.add(x)
+    pol.mean_gap_s, pol.last_arrival = 0.001, now
+    pol.update_controls(sched, now)
+    assert pol.plan.launch and pol.plan.size == size

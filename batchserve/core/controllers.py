@@ -114,6 +114,29 @@ with a TPOT target), and the batch launches by the rules without targets: the fi
 serves the most, until the backlog is gone. A TPOT target alone is not broken by waiting, so a
 backlog never outgrows it.
 
+Lengths known to no one, a TPOT target alone. Where the waiting requests share one max_tokens
+and recent outputs ended before it (at their EOS), the lengths above are one guess for every
+request, and the b/(b+1) quantile prices a batch as if it held no long output where most of its
+size do. Then each member's output is taken as L = min(max_tokens, X), X drawn independently
+from the recent outputs (their values, or where more than 64 differ the midpoints of 64 equal
+shares; one cut at its max_tokens at the bound), and a member of output l meets the target
+when the longest M' of the other b - 1 is short enough:
+
+    g(b) = sum_l P(L = l) 1[l < 2 or D'(b) <= tpot] P(L <= 1 + tpot (l - 1) / D'(b))^(b - 1)
+    E[B(b)] = F(b) + sum_k (x_k - x_k-1) P(M >= x_k) step(r_k, r_k),  r_k = b P(L >= x_k) / P(M >= x_k)
+    D'(b) = (E[B(b)] - F(b)) / E[M - 1]
+
+with x_k the points of L (x_0 = 1), M the longest of b (P(M >= x) = 1 - P(L < x)^b), r_k the
+rows still running past x_k-1 while one does, and D'(b) the decode span per token of the
+longest. The size is
+
+    c = argmax{ min(1 / G, h b / E[B(b)]) g(b) : b <= cap }     the smallest on a tie
+
+the requests within the target per second in the long run: a size that keeps pace with the
+arrivals (with headroom h) serves each arrival once, one that does not serves only as fast as it
+runs. Waiting does not break a TPOT target, so no floor, s or m applies. Where outputs run to
+their max_tokens (every recent one cut, inf) the lengths are exact and this is off.
+
 Launch now, with those b, when any of
 
     d >= c                         the queue alone fills a batch
@@ -142,6 +165,7 @@ sizes that serve the most.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -281,18 +305,97 @@ def arrival_gap(mean_gap_s: float | None, since_s: float) -> float:
 
 def batch_cap(times: Callable[[int], BatchTimes], top: int, targets: Targets, gap: float, queued: int,
               overdue: bool, waits: Sequence[float] = (), e2e: Sequence[float | None] = (),
-              long_gap: float = math.inf, lengths: Sequence[int] = ()) -> tuple[int, bool]:
+              long_gap: float = math.inf, lengths: Sequence[int] = (),
+              law: tuple[LengthLaw, StepTime] | None = None) -> tuple[int, bool]:
     """c of the control law, and whether the load puts the targets out of reach (c is then the
     pace size, larger than the targets allow). `queued`: how many wait in all; `overdue`: whether
     one of them is overdue; `waits`, `e2e` and `lengths`: the waiting, as `plan_batch`
     takes them (none: the rate counts newcomers only); `long_gap`: G, the long-run arrival gap
-    (inf: no floor)."""
+    (inf: no floor); `law`: L and the decode step's time where lengths are known to no one, used
+    with a TPOT target alone and no request's own deadline (None: the lengths as given)."""
+    if law is not None and targets.tpot is not None and targets.ttft is None and all(e is None for e in e2e):
+        return law_size(times, top, targets.tpot, law[0], law[1], long_gap), False
     s = slo_size(times, top, targets, lengths)
     if overdue and (targets.ttft is not None or targets.e2e is not None):
         p = pace_size(times, top, gap, queued)
         if p > s:
             return p, True
     return rate_size(times, s, targets, waits, e2e, floor_size(times, s, HEADROOM * long_gap), lengths), False
+
+
+class LengthLaw:
+    """The L of the control law for lengths known to no one: members that share one max_tokens
+    `bound`, each output min(bound, X) with X drawn independently from `outputs` (the sorted
+    recent lengths; inf, one cut at its max_tokens, counts as `bound`): its values `xs` with
+    their shares `ps`, or where more than `bins` differ, the midpoints of `bins` equal shares."""
+
+    def __init__(self, outputs: Sequence[float], bound: int, bins: int = 64) -> None:
+        v = [min(float(x), float(bound)) for x in outputs]
+        n = len(v)
+        if len(set(v)) > bins:  # the midpoints of `bins` equal shares; else each value at its own share
+            n, v = bins, [v[int((i + 0.5) * n / bins)] for i in range(bins)]
+        self.xs: list[float] = []
+        self.ps: list[float] = []
+        for x in v:
+            if self.xs and self.xs[-1] == x:
+                self.ps[-1] += 1.0 / n
+            else:
+                self.xs.append(x)
+                self.ps.append(1.0 / n)
+        self.cum = list(itertools.accumulate(self.ps))
+
+    def cdf(self, x: float) -> float:
+        """P(L <= x)."""
+        i = bisect.bisect_right(self.xs, x)
+        return self.cum[i - 1] if i else 0.0
+
+    def span(self, step: StepTime, b: int) -> tuple[float, float]:
+        """E[B(b) - F(b)], the decode span of b members (a row leaves the steps as its output
+        ends), with `step` the time of a step of n rows; and E[M - 1], M the longest member."""
+        span = tokens = 0.0
+        prev, below = 1.0, 0.0
+        for x, c in zip(self.xs, self.cum):
+            if x > prev:
+                q = 1.0 - below  # P(L >= x): a member still runs from prev to x
+                busy = 1.0 - (1.0 - q) ** b
+                if busy > 0:
+                    rows = max(1, round(b * q / busy))
+                    span += (x - prev) * busy * step(rows, rows)
+                    tokens += (x - prev) * busy
+                prev = x
+            below = c
+        return span, tokens
+
+    def tpot_share(self, b: int, dbar: float, tpot: float) -> float:
+        """g(b): the chance that a member of a batch of b meets the target `tpot`, with `dbar`
+        its D'(b); a one-token output has no time per token and always does."""
+        p = 0.0
+        for x, q in zip(self.xs, self.ps):
+            if x < 2:
+                p += q
+            elif dbar <= tpot:
+                p += q * self.cdf(1.0 + tpot * (x - 1.0) / dbar if dbar > 0 else math.inf) ** (b - 1)
+        return p
+
+
+def law_size(times: Callable[[int], BatchTimes], top: int, tpot: float, law: LengthLaw, step: StepTime,
+             long_gap: float = math.inf) -> int:
+    """c of the control law for lengths known to no one and a TPOT target alone: the b <= top
+    of the most requests within `tpot` per second in the long run, with output lengths drawn
+    from `law`, F(b) from `times` and the decode steps from `step`; G = `long_gap` (inf: no
+    arrival rate yet, every size counted at the rate it runs)."""
+    best, key = top, -1.0
+    rate = 1.0 / long_gap if 0.0 < long_gap < math.inf else math.inf
+    for b in range(1, top + 1):
+        span, tok = law.span(step, b)
+        busy = times(b).first + span
+        if busy <= 0:
+            return top
+        g = law.tpot_share(b, span / tok if tok > 0 else 0.0, tpot)
+        k = min(rate, HEADROOM * b / busy) * g
+        if k > key:
+            best, key = b, k
+    return best
 
 
 def rate_size(times: Callable[[int], BatchTimes], top: int, targets: Targets, waits: Sequence[float],

@@ -13,7 +13,10 @@ place, whether to launch now, and with how many of them (`controllers.batch_cap`
 - the targets the user set (`slo_ttft_ms`, `slo_tpot_ms`, `slo_p99_ms` end to end) and each
   request's own deadline. None is assumed when unset;
 - each waiting request's max_tokens, the bound on its output, and its expected output length
-  (with recent outputs), at which its own time per token and first token are judged.
+  (with recent outputs), at which its own time per token and first token are judged; where
+  the waiting share one max_tokens and recent outputs ended before it (at EOS), so that no
+  length is known ahead, a TPOT target alone sizes the batch over the recent outputs as a
+  distribution (`controllers.LengthLaw`): the chance that it holds a long one.
 The cap is `max_batch`, and the profile's throughput knee when one is given. `window_max_ms`
 bounds how long a request waits for company.
 
@@ -30,7 +33,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 from batchserve.config import SchedulerConfig
 from batchserve.core.controllers import (BatchTimes, Plan, SortedWindow, Targets, arrival_gap, batch_cap,
                                          batch_times, bucket_distance, decode_time, ewma, expected_lengths,
-                                         hopeless_last, is_overdue, length_bucket, offer_order, plan_batch)
+                                         hopeless_last, is_overdue, length_bucket, LengthLaw, offer_order, plan_batch)
 from batchserve.core.latency import LatencyModel, ProfiledLatencyModel
 from batchserve.core.policies.request_level import RequestLevelPolicy
 from batchserve.request import Request, RequestStatus
@@ -143,7 +146,13 @@ class DynamicPolicy(RequestLevelPolicy):
 
         def size(times: Callable[[int], BatchTimes], waits: list[float], e2e: list[float | None],
                  own: list[int]) -> tuple[int, bool]:
-            return batch_cap(times, cap, self.targets, gap, len(sched.waiting), overdue, waits, e2e, long_gap, own)
+            return batch_cap(times, cap, self.targets, gap, len(sched.waiting), overdue, waits, e2e, long_gap, own,
+                             law)
+
+        bounds = {r.max_tokens for r in head}
+        law, t = None, self.targets
+        if t.tpot is not None and t.ttft is None and t.e2e is None and outs and outs[0] < math.inf and len(bounds) == 1:
+            law = (LengthLaw(outs, bounds.pop()), lambda tokens, seqs: fit * step(tokens, seqs))
 
         sized = size(times, waits, e2e, own)
         c, paced = sized
