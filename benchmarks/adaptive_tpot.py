@@ -134,7 +134,9 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any], before: list[dict
             ([ratio(prev["adaptive_goodput"], r["best_goodput"]) if prev else "–"] if before else []) + \
             [f"{r['best_p99']:,.0f} / {r['adaptive_p99']:,.0f}"] + \
             ([f"{r['run_best'][0]:g} ms, {r['run_best'][1]}: {r['run_best_goodput']:.2f}; "
-              f"{ratio(r['run_adaptive_goodput'], r['run_best_goodput'])}"] if "run_best" in r else [])
+              f"{ratio(r['run_adaptive_goodput'], r['run_best_goodput'])}"
+              + (f" ({before_label} {ratio(prev['run_adaptive_goodput'], r['run_best_goodput'])})"
+                 if prev and "run_adaptive_goodput" in prev else "")] if "run_best" in r else [])
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
 
