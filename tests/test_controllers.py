@@ -340,4 +340,9 @@ def test_lengths_known_to_no_one_size_the_batch_by_its_chance_of_a_long_member()
     # batch_cap takes it for a TPOT target alone, and not where a request has its own deadline
     t = Targets(tpot=0.020)
     assert batch_cap(times, 32, t, math.inf, 12, False, [0.0] * 12, [None] * 12, law=(law, step)) == (4, False)
-    assert batch_cap(times, 32, t, math.inf, 12, False, [0.0] * 12, [5.0] * 12, law=(law, step)) != (4, False)
+    own = batch_cap(times, 32, t, math.inf, 12, False, [0.0] * 12, [5.0] * 12)
+    assert own != (4, False) and batch_cap(times, 32, t, math.inf, 12, False, [0.0] * 12, [5.0] * 12,
+                                           law=(law, step)) == own
+    # no size meets the target (one step is 10 ms): the size that serves the most, the largest here
+    assert law_size(times, 32, 0.005, law, step) == 32
+    assert LengthLaw([100.0, 10.0, 10.0], 512).xs == [10.0, 100.0]  # in any order

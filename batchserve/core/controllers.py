@@ -116,21 +116,22 @@ backlog never outgrows it.
 
 Lengths known to no one, a TPOT target alone. Where the waiting requests share one max_tokens
 and recent outputs ended before it (at their EOS), the lengths above are one guess for every
-request, and the b/(b+1) quantile prices a batch as if it held no long output where most of its
-size do. Then each member's output is taken as L = min(max_tokens, X), X drawn independently
-from the recent outputs (their values, or where more than 64 differ the midpoints of 64 equal
-shares; one cut at its max_tokens at the bound), and a member of output l meets the target
-when the longest M' of the other b - 1 is short enough:
+request, and the b/(b+1) quantile prices a batch as if it held no long output, though most
+batches of that size hold one. Then each member's output is taken as L = min(max_tokens, X),
+X drawn independently from the recent outputs (their values, or where more than 64 differ the
+midpoints of 64 equal shares; one cut at its max_tokens at the bound), and a member of output
+l meets the target when the longest M' of the other b - 1 is short enough:
 
-    g(b) = sum_l P(L = l) 1[l < 2 or D'(b) <= tpot] P(L <= 1 + tpot (l - 1) / D'(b))^(b - 1)
+    g(b) = P(L < 2) + sum_{l >= 2} P(L = l) 1[D'(b) <= tpot] P(L <= 1 + tpot (l - 1) / D'(b))^(b - 1)
     E[B(b)] = F(b) + sum_k (x_k - x_k-1) P(M >= x_k) step(r_k, r_k),  r_k = b P(L >= x_k) / P(M >= x_k)
     D'(b) = (E[B(b)] - F(b)) / E[M - 1]
 
 with x_k the points of L (x_0 = 1), M the longest of b (P(M >= x) = 1 - P(L < x)^b), r_k the
 rows still running past x_k-1 while one does, and D'(b) the decode span per token of the
-longest. The size is
+longest (a one-token output has no time per token, and adds no decode step). The size is
 
-    c = argmax{ min(1 / G, h b / E[B(b)]) g(b) : b <= cap }     the smallest on a tie
+    c = argmax{ min(1 / G, h b / E[B(b)]) g(b) : b <= cap }     the smallest on a tie; with g
+                                                               zero everywhere, of min(1 / G, h b / E[B(b)])
 
 the requests within the target per second in the long run: a size that keeps pace with the
 arrivals (with headroom h) serves each arrival once, one that does not serves only as fast as it
@@ -313,7 +314,8 @@ def batch_cap(times: Callable[[int], BatchTimes], top: int, targets: Targets, ga
     takes them (none: the rate counts newcomers only); `long_gap`: G, the long-run arrival gap
     (inf: no floor); `law`: L and the decode step's time where lengths are known to no one, used
     with a TPOT target alone and no request's own deadline (None: the lengths as given)."""
-    if law is not None and targets.tpot is not None and targets.ttft is None and all(e is None for e in e2e):
+    if law is not None and targets.tpot is not None and targets.ttft is None and targets.e2e is None \
+            and all(e is None for e in e2e):
         return law_size(times, top, targets.tpot, law[0], law[1], long_gap), False
     s = slo_size(times, top, targets, lengths)
     if overdue and (targets.ttft is not None or targets.e2e is not None):
@@ -330,7 +332,7 @@ class LengthLaw:
     their shares `ps`, or where more than `bins` differ, the midpoints of `bins` equal shares."""
 
     def __init__(self, outputs: Sequence[float], bound: int, bins: int = 64) -> None:
-        v = [min(float(x), float(bound)) for x in outputs]
+        v = sorted(min(float(x), float(bound)) for x in outputs)
         n = len(v)
         if len(set(v)) > bins:  # the midpoints of `bins` equal shares; else each value at its own share
             n, v = bins, [v[int((i + 0.5) * n / bins)] for i in range(bins)]
@@ -343,6 +345,8 @@ class LengthLaw:
                 self.xs.append(x)
                 self.ps.append(1.0 / n)
         self.cum = list(itertools.accumulate(self.ps))
+        if self.cum:
+            self.cum[-1] = 1.0  # not a rounding short of it
 
     def cdf(self, x: float) -> float:
         """P(L <= x)."""
@@ -384,18 +388,18 @@ def law_size(times: Callable[[int], BatchTimes], top: int, tpot: float, law: Len
     of the most requests within `tpot` per second in the long run, with output lengths drawn
     from `law`, F(b) from `times` and the decode steps from `step`; G = `long_gap` (inf: no
     arrival rate yet, every size counted at the rate it runs)."""
-    best, key = top, -1.0
+    best, key = [top, top], [-1.0, -1.0]  # by requests in time, and by requests (none in time)
     rate = 1.0 / long_gap if 0.0 < long_gap < math.inf else math.inf
     for b in range(1, top + 1):
         span, tok = law.span(step, b)
         busy = times(b).first + span
         if busy <= 0:
             return top
-        g = law.tpot_share(b, span / tok if tok > 0 else 0.0, tpot)
-        k = min(rate, HEADROOM * b / busy) * g
-        if k > key:
-            best, key = b, k
-    return best
+        served = min(rate, HEADROOM * b / busy)
+        for i, k in enumerate((served * law.tpot_share(b, span / tok if tok > 0 else 0.0, tpot), served)):
+            if k > key[i]:
+                best[i], key[i] = b, k
+    return best[0] if key[0] > 0 else best[1]
 
 
 def rate_size(times: Callable[[int], BatchTimes], top: int, targets: Targets, waits: Sequence[float],

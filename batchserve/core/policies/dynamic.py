@@ -31,9 +31,9 @@ from itertools import accumulate, islice
 from typing import TYPE_CHECKING, Callable, Iterable
 
 from batchserve.config import SchedulerConfig
-from batchserve.core.controllers import (BatchTimes, Plan, SortedWindow, Targets, arrival_gap, batch_cap,
+from batchserve.core.controllers import (BatchTimes, LengthLaw, Plan, SortedWindow, Targets, arrival_gap, batch_cap,
                                          batch_times, bucket_distance, decode_time, ewma, expected_lengths,
-                                         hopeless_last, is_overdue, length_bucket, LengthLaw, offer_order, plan_batch)
+                                         hopeless_last, is_overdue, length_bucket, offer_order, plan_batch)
 from batchserve.core.latency import LatencyModel, ProfiledLatencyModel
 from batchserve.core.policies.request_level import RequestLevelPolicy
 from batchserve.request import Request, RequestStatus
@@ -144,15 +144,16 @@ class DynamicPolicy(RequestLevelPolicy):
         overdue = any(is_overdue(w, e, self.targets) for w, e in zip(waits, e2e))
         gap, long_gap = arrival_gap(self.mean_gap_s, since), self._long_gap(now)
 
+        bounds, tg = {r.max_tokens for r in head}, self.targets
+        law = None  # where no length is known ahead (outputs end at EOS below a shared max_tokens)
+        if tg.tpot is not None and tg.ttft is None and tg.e2e is None and outs and outs[0] < math.inf \
+                and len(bounds) == 1:
+            law = (LengthLaw(outs, bounds.pop()), lambda tokens, seqs: fit * step(tokens, seqs))
+
         def size(times: Callable[[int], BatchTimes], waits: list[float], e2e: list[float | None],
                  own: list[int]) -> tuple[int, bool]:
             return batch_cap(times, cap, self.targets, gap, len(sched.waiting), overdue, waits, e2e, long_gap, own,
                              law)
-
-        bounds = {r.max_tokens for r in head}
-        law, t = None, self.targets
-        if t.tpot is not None and t.ttft is None and t.e2e is None and outs and outs[0] < math.inf and len(bounds) == 1:
-            law = (LengthLaw(outs, bounds.pop()), lambda tokens, seqs: fit * step(tokens, seqs))
 
         sized = size(times, waits, e2e, own)
         c, paced = sized
@@ -163,8 +164,9 @@ class DynamicPolicy(RequestLevelPolicy):
         waits, e2e, own = [waits[i] for i in order], [e2e[i] for i in order], [own[i] for i in order]
         if order != list(range(len(head))):
             times = times_of(offered)
-            again = size(times, waits, e2e, own)
-            sized = sized if again[1] else again
+            if law is None:  # the law's size reads no one's wait or length
+                again = size(times, waits, e2e, own)
+                sized = sized if again[1] else again
         newcomer = None
         if self.longest.values:  # a batch of requests yet to arrive, each as long as the longest recent output
             longest = int(self.longest.values[-1])
