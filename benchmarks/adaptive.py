@@ -110,12 +110,15 @@ def compare(name: str, cap: float, slo_ms: float, n: int, seeds: list[int],
     """One regime under one SLO: goodput (mean over seeds) and worst P99 of every grid point
     and of `dynamic`; the best grid point is the one with the most goodput, and the one picked
     on the other seeds (with more than one). `factors`: `dynamic` again at each of these
-    overdue factors (its default, 2, is the `dynamic` above); `eos_cap`: as `workload`'s."""
+    overdue factors (its default, 2, is the `dynamic` above); `eos_cap`: as `workload`'s. Beside
+    them, token-level `continuous` with as many seats as the largest cap: what the same traffic
+    gets where request-level batching is not a constraint."""
     cost = RooflineCost(GPU, MODEL)
     slo = SLO(e2e_ms=slo_ms)
     configs = {(w, c): engine("static", window_ms=w, max_batch=c) for w in WINDOWS_MS for c in CAPS}
     configs["adaptive"] = dynamic = engine("dynamic", max_batch=max(CAPS), window_max_ms=max(WINDOWS_MS),
                                            slo_p99_ms=slo_ms)
+    configs["continuous"] = engine("continuous")  # the token-level reference, max(CAPS) seats
     for f in factors:
         configs[("k", f)] = dataclasses.replace(
             dynamic, scheduler=dataclasses.replace(dynamic.scheduler, overdue_factor=f))
@@ -129,14 +132,15 @@ def compare(name: str, cap: float, slo_ms: float, n: int, seeds: list[int],
             res = simulate(cfg, cost, items, slo=slo)
             good[k].append(goodput_of(res.summary["goodput"]["n_good"], items))
             p99[k] = max(p99[k], res.summary["latency"]["e2e_ms"]["p99"])
-    ad = good.pop("adaptive")
+    ad, token = good.pop("adaptive"), good.pop("continuous")
     by_factor = {f: (statistics.fmean(good.pop(("k", f))), p99[("k", f)]) for f in factors}
     mean = {k: statistics.fmean(v) for k, v in good.items()}
     best = max(mean, key=lambda k: (round(mean[k], 6), -p99[k]))
     return {"regime": name, "rate": offered, "slo_ms": slo_ms, "best": best, "best_goodput": mean[best],
             "best_p99": p99[best], "default": (mean[(50.0, 32)], p99[(50.0, 32)]),
             "adaptive_goodput": statistics.fmean(ad), "adaptive_p99": p99["adaptive"],
-            "held_out": held_out(good, statistics.fmean), "factors": by_factor}
+            "held_out": held_out(good, statistics.fmean), "factors": by_factor,
+            "continuous": (statistics.fmean(token), p99["continuous"])}
 
 
 def run(n: int, seeds: list[int], tightness: list[float], jobs: int = 1,
@@ -213,7 +217,8 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
            f"{', '.join(f'{w:g}' for w in WINDOWS_MS)} ms x caps {', '.join(map(str, CAPS))}, the best point "
            f"picked per regime with hindsight, and (\"picked on the other seeds\") for each seed the point with "
            f"the most goodput on the others, judged on that seed: the mean; `dynamic` has one setting for all: window <= {max(WINDOWS_MS):g} "
-           f"ms, cap <= {max(CAPS)}, the same SLO.", "",
+           f"ms, cap <= {max(CAPS)}, the same SLO. `continuous`: token level with {max(CAPS)} seats, what the same "
+           "traffic gets where batches need not run whole.", "",
            *table(rows, slo=True, p99="worst P99 E2E, best / adaptive (ms)", over="seeds")]
     return "\n".join(out + factor_section(rows, meta, "the worst P99 end to end over the seeds"))
 
@@ -228,10 +233,11 @@ def table(rows: list[dict[str, Any]], slo: bool, p99: str, over: str = "rounds")
     pick leaves out, rounds or seeds."""
     rounds = "round_goodputs" in rows[0] if rows else False
     held = bool(rows) and rows[0].get("held_out") is not None
+    token = bool(rows) and "continuous" in rows[0]
     cols = ["regime"] + ["SLO (ms)"] * slo + ["offered req/s", "best fixed (window, cap)", "its goodput",
                                               "adaptive goodput", "adaptive / best"] + \
         ["the same, round by round"] * rounds + [f"adaptive / best picked on the other {over}"] * held + \
-        [p99, "50 ms / 32 goodput"]
+        [p99, "50 ms / 32 goodput"] + ["`continuous` goodput, worst P99 (ms)"] * token
     out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         w, c = r["best"]
@@ -240,7 +246,8 @@ def table(rows: list[dict[str, Any]], slo: bool, p99: str, over: str = "rounds")
             ratio(r["adaptive_goodput"], r["best_goodput"])] + \
             [", ".join(ratio(a, b, "{:.2f}") for a, b in r.get("round_goodputs", []))] * rounds + \
             ([f"{ratio(r['adaptive_goodput'], r['held_out'])} ({r['held_out']:.2f})"] if held else []) + [
-            f"{r['best_p99']:,.0f} / {r['adaptive_p99']:,.0f}", f"{r['default'][0]:.2f}"]
+            f"{r['best_p99']:,.0f} / {r['adaptive_p99']:,.0f}", f"{r['default'][0]:.2f}"] + \
+            ([f"{r['continuous'][0]:.2f}, {r['continuous'][1]:,.0f}"] if token else [])
         out.append("| " + " | ".join(cells) + " |")
     return out
 

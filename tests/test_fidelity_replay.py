@@ -128,6 +128,8 @@ def test_the_live_best_fixed_point_is_also_judged_on_rounds_it_was_not_picked_on
     simulated = {k: v for k, v in row.items() if k not in ("round_goodputs", "held_out")}
     head, _, line = table([simulated], slo=True, p99="P99")
     assert "picked on the other rounds" not in head and "| 0.933x | 1,500 / 2,000 | 8.00 |" in line
+    head, _, line = table([{**simulated, "continuous": (11.5, 900.0)}], slo=True, p99="P99")
+    assert head.endswith("| `continuous` goodput, worst P99 (ms) |") and line.endswith("| 8.00 | 11.50, 900 |")
 
 
 def test_fidelity_names_an_unknown_warmup_protocol() -> None:
