@@ -5,6 +5,7 @@ conftest leak check then proves every KV block came back."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -76,21 +77,27 @@ def test_async_engine_loop(make_fake_engine) -> None:
 
 class LayeredSleepExecutor(FakeExecutor):
     """Steps of 5 layers of `layer_s` (real time), calling `between_layers` between each two as
-    the model runner does; records each step's requests and whether it ran inside another. The
-    test slows the layers while it posts a request (so that it lands mid-step); a step of that
-    request's sets them back."""
+    the model runner does; records each step's requests and whether it ran inside another. Once
+    the test sets `slow`, the next step runs slow layers and sets `slow_started` as it begins, so
+    a request posted then lands mid-step however busy the machine; a step of that request's sets
+    the layers back."""
 
     def __init__(self, *args, **kw) -> None:
         super().__init__(*args, **kw)
         self.between_layers = None
         self.depth = 0
         self.layer_s = 0.004
+        self.slow, self.slow_started = threading.Event(), threading.Event()
         self.ran: list[tuple[list[str], int]] = []
 
     def execute(self, batch):
         self.ran.append(([s.request_id for s in batch.seqs], self.depth))
         if any(s.request_id == "light" for s in batch.seqs):
             self.layer_s = 0.004
+        elif self.slow.is_set():
+            self.slow.clear()
+            self.layer_s = 0.2
+            self.slow_started.set()
         self.depth += 1
         try:
             for layer in range(5):
@@ -129,7 +136,8 @@ def test_a_light_tenant_starts_between_the_layers_of_a_running_step(make_fake_en
                                               request_id=f"heavy{i}", tenant="heavy")) for i in range(4)]
             for _ in range(12):  # the heavy tenant served well past the light one
                 await heavy[0].next()
-            ex.layer_s = 0.2  # the step running now has layers to go: it is still running when the add lands
+            ex.slow.set()  # the next step has slow layers to go: it is still running when the add lands
+            assert await asyncio.to_thread(ex.slow_started.wait, 10.0)
             light = await ae.add(RequestSpec(SamplingParams(max_tokens=5, ignore_eos=True), [4, 5, 6],
                                              request_id="light", tenant="light"))
             out = await light.collect()
