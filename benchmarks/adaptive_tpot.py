@@ -50,13 +50,15 @@ CELLS = (  # (workload, TPOT target ms, end-to-end target as a multiple of the c
 def compare(mix: str, cap: float, p99: float, tpot_ms: float, e2e_x: float | None, share: float, n: int,
             seeds: list[int], eos_cap: int | None = None) -> dict[str, Any]:
     """One cell: goodput (mean over seeds), attainment and worst P99 of every grid point and of
-    `dynamic`. `eos_cap`: as `adaptive.workload`'s."""
+    `dynamic`, and of token-level `continuous` with as many seats as the largest cap (what the
+    same traffic gets where batches need not run whole). `eos_cap`: as `adaptive.workload`'s."""
     cost = RooflineCost(GPU, MODEL)
     e2e_ms = None if e2e_x is None else 100.0 * round(e2e_x * p99 / 100.0)
     slo = SLO(tpot_ms=tpot_ms, e2e_ms=e2e_ms)
     configs: dict[Any, Any] = {(w, c): engine("static", window_ms=w, max_batch=c) for w in WINDOWS_MS for c in CAPS}
     configs["adaptive"] = engine("dynamic", max_batch=max(CAPS), window_max_ms=max(WINDOWS_MS),
                                  slo_tpot_ms=tpot_ms, slo_p99_ms=e2e_ms)
+    configs["continuous"] = engine("continuous")
     good: dict[Any, list[float]] = {k: [] for k in configs}
     run_good: dict[Any, list[float]] = {k: [] for k in configs}  # per second of the run: first arrival to last end
     att: dict[Any, list[float]] = {k: [] for k in configs}
@@ -72,7 +74,7 @@ def compare(mix: str, cap: float, p99: float, tpot_ms: float, e2e_x: float | Non
             att[k].append(s["goodput"]["n_good"] / len(items))
             worst[k] = max(worst[k], s["latency"]["e2e_ms"]["p99"])
     mean = {k: statistics.fmean(v) for k, v in good.items()}
-    fixed = [k for k in configs if k != "adaptive"]
+    fixed = [k for k in configs if k not in ("adaptive", "continuous")]
     best = max(fixed, key=lambda k: (round(mean[k], 6), -worst[k]))
     by_run = {k: statistics.fmean(v) for k, v in run_good.items()}
     run_best = max(fixed, key=lambda k: (round(by_run[k], 6), -worst[k]))
@@ -80,7 +82,9 @@ def compare(mix: str, cap: float, p99: float, tpot_ms: float, e2e_x: float | Non
             "mix": mix, "tpot_ms": tpot_ms, "e2e_ms": e2e_ms, "share": share, "rate": offered, "best": list(best),
             "best_goodput": mean[best], "best_attainment": statistics.fmean(att[best]), "best_p99": worst[best],
             "adaptive_goodput": mean["adaptive"], "adaptive_attainment": statistics.fmean(att["adaptive"]),
-            "adaptive_p99": worst["adaptive"], "held_out": held_out({k: good[k] for k in fixed}, statistics.fmean)}
+            "adaptive_p99": worst["adaptive"], "held_out": held_out({k: good[k] for k in fixed}, statistics.fmean),
+            "continuous": {"goodput": mean["continuous"], "attainment": statistics.fmean(att["continuous"]),
+                           "run_goodput": by_run["continuous"], "p99": worst["continuous"]}}
 
 
 def run(n: int, seeds: list[int], jobs: int, eos_cap: int | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -104,6 +108,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any], before: list[dict
              before_label: str) -> str:
     cal = "; ".join(f"{m}: {c:.1f} req/s, P99 {p:,.0f} ms" for m, (c, p) in meta["calibration"].items())
     old = {_key(r): r for r in before or []}
+    token = bool(rows) and "continuous" in rows[0]
     eos_cap = meta.get("eos_cap")
     flag = "" if eos_cap is None else f" --max-tokens {eos_cap}"
     out = [f"## {SECTION}{eos_title(eos_cap)}", "",
@@ -116,11 +121,13 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any], before: list[dict
            f"a point for the backlog it leaves when the arrivals stop. Grid and `dynamic` bounds as in the adaptive benchmark (windows "
            f"{', '.join(f'{w:g}' for w in WINDOWS_MS)} ms x caps {', '.join(map(str, CAPS))}); "
            f"\"picked on the other seeds\": the point with the most goodput on the others, judged on the one left out."
+           + (f" `continuous`: token level with {max(CAPS)} seats, beside the grid." if token else "")
            + (f" {before_label}: the same command on that version of `dynamic`." if before else ""), ""]
     cols = ["workload", "targets (ms)", "load", "offered req/s", "best fixed (window, cap)", "its goodput",
             "adaptive goodput", "adaptive / best", "adaptive / picked on the other seeds"] + \
         [f"{before_label} / best"] * bool(before) + ["worst P99 E2E, best / adaptive (ms)"] + \
-        ["per second of the run: best fixed, adaptive / it"] * ("run_best" in rows[0] if rows else False)
+        ["per second of the run: best fixed, adaptive / it"] * ("run_best" in rows[0] if rows else False) + \
+        ["`continuous`: goodput, per second of the run, worst P99 (ms)"] * token
     out += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         w, c = r["best"]
@@ -136,7 +143,9 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any], before: list[dict
             ([f"{r['run_best'][0]:g} ms, {r['run_best'][1]}: {r['run_best_goodput']:.2f}; "
               f"{ratio(r['run_adaptive_goodput'], r['run_best_goodput'])}"
               + (f" ({before_label} {ratio(prev['run_adaptive_goodput'], r['run_best_goodput'])})"
-                 if prev and "run_adaptive_goodput" in prev else "")] if "run_best" in r else [])
+                 if prev and "run_adaptive_goodput" in prev else "")] if "run_best" in r else []) + \
+            ([f"{r['continuous']['goodput']:.2f} ({r['continuous']['attainment']:.0%}); "
+              f"{r['continuous']['run_goodput']:.2f}; {r['continuous']['p99']:,.0f}"] if token else [])
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
 

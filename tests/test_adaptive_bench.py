@@ -44,6 +44,25 @@ def test_the_tpot_comparison_judges_every_point_by_the_same_targets():
 
     row = compare_tpot("short-long", 20.0, 3000.0, 40.0, 1.0, 0.5, 40, [0, 1])
     assert row["e2e_ms"] == 3000.0 and row["tpot_ms"] == 40.0  # the end-to-end target: 1x the P99 given
-    assert tuple(row["best"]) != ("adaptive",) and row["held_out"] is not None
+    assert tuple(row["best"]) not in (("adaptive",), ("continuous",)) and row["held_out"] is not None
     for who in ("best", "adaptive"):  # goodput per second of offered traffic, attainment per request
         assert row[f"{who}_goodput"] > 0 and 0 < row[f"{who}_attainment"] <= 1
+    assert row["continuous"]["goodput"] > 0 and 0 < row["continuous"]["attainment"] <= 1  # the reference beside
+
+
+def test_the_tpot_table_puts_continuous_beside_the_grid():
+    from benchmarks.adaptive_tpot import markdown
+
+    row = {"mix": "chat", "tpot_ms": 20.0, "e2e_ms": None, "share": 0.7, "rate": 18.3, "best": [10.0, 4],
+           "best_goodput": 12.0, "best_attainment": 0.67, "best_p99": 40000.0, "adaptive_goodput": 6.0,
+           "adaptive_attainment": 0.3, "adaptive_p99": 5000.0, "held_out": 12.0, "run_best": [10.0, 32],
+           "run_best_goodput": 5.0, "run_adaptive_goodput": 5.5,
+           "continuous": {"goodput": 18.0, "attainment": 0.98, "run_goodput": 17.5, "p99": 1500.0}}
+    meta = {"calibration": {"chat": (27.5, 2900.0)}, "n": 300, "seeds": [0], "eos_cap": 512}
+    text = markdown([row], meta, None, "before")
+    head, line = text.splitlines()[-3], text.splitlines()[-1]
+    assert head.endswith("| `continuous`: goodput, per second of the run, worst P99 (ms) |")
+    assert line.endswith("| 10 ms, 32: 5.00; 1.100x | 18.00 (98%); 17.50; 1,500 |")
+    assert "token level with 128 seats" in text
+    without = markdown([{k: v for k, v in row.items() if k != "continuous"}], meta, None, "before")
+    assert "continuous" not in without  # rows written before the column have none
