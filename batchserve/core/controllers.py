@@ -347,6 +347,23 @@ class LengthLaw:
         self.cum = list(itertools.accumulate(self.ps))
         if self.cum:
             self.cum[-1] = 1.0  # not a rounding short of it
+        # what span and tpot_share read for every b, computed once: each run from the point
+        # before to x (its width, P(L >= x), P(L < x)), and P(L < 2) with the points past it
+        self._runs: list[tuple[float, float, float]] = []
+        prev, below = 1.0, 0.0
+        for x, c in zip(self.xs, self.cum):
+            if x > prev:
+                q = 1.0 - below
+                self._runs.append((x - prev, q, 1.0 - q))
+                prev = x
+            below = c
+        self._one = 0.0
+        self._long: list[tuple[float, float]] = []
+        for x, q in zip(self.xs, self.ps):
+            if x < 2:
+                self._one += q
+            else:
+                self._long.append((x, q))
 
     def cdf(self, x: float) -> float:
         """P(L <= x)."""
@@ -357,28 +374,26 @@ class LengthLaw:
         """E[B(b) - F(b)], the decode span of b members (a row leaves the steps as its output
         ends), with `step` the time of a step of n rows; and E[M - 1], M the longest member."""
         span = tokens = 0.0
-        prev, below = 1.0, 0.0
-        for x, c in zip(self.xs, self.cum):
-            if x > prev:
-                q = 1.0 - below  # P(L >= x): a member still runs from prev to x
-                busy = 1.0 - (1.0 - q) ** b
-                if busy > 0:
-                    rows = max(1, round(b * q / busy))
-                    span += (x - prev) * busy * step(rows, rows)
-                    tokens += (x - prev) * busy
-                prev = x
-            below = c
+        for width, q, below in self._runs:  # q = P(L >= x): a member still runs up to x
+            busy = 1.0 - below ** b
+            if busy > 0:
+                rows = max(1, round(b * q / busy))
+                span += width * busy * step(rows, rows)
+                tokens += width * busy
         return span, tokens
 
     def tpot_share(self, b: int, dbar: float, tpot: float) -> float:
         """g(b): the chance that a member of a batch of b meets the target `tpot`, with `dbar`
         its D'(b); a one-token output has no time per token and always does."""
-        p = 0.0
-        for x, q in zip(self.xs, self.ps):
-            if x < 2:
-                p += q
-            elif dbar <= tpot:
-                p += q * self.cdf(1.0 + tpot * (x - 1.0) / dbar if dbar > 0 else math.inf) ** (b - 1)
+        p = self._one
+        if dbar > tpot:
+            return p
+        i, n = 0, len(self.xs)
+        for x, q in self._long:  # the bound grows with x: one walk finds every P(L <= bound)
+            bound = 1.0 + tpot * (x - 1.0) / dbar if dbar > 0 else math.inf
+            while i < n and self.xs[i] <= bound:
+                i += 1
+            p += q * (self.cum[i - 1] if i else 0.0) ** (b - 1)
         return p
 
 
@@ -390,8 +405,9 @@ def law_size(times: Callable[[int], BatchTimes], top: int, tpot: float, law: Len
     arrival rate yet, every size counted at the rate it runs)."""
     best, key = [top, top], [-1.0, -1.0]  # by requests in time, and by requests (none in time)
     rate = 1.0 / long_gap if 0.0 < long_gap < math.inf else math.inf
+    table = [0.0] + [step(n, n) for n in range(1, top + 1)]  # a decode step of n rows, n <= b <= top
     for b in range(1, top + 1):
-        span, tok = law.span(step, b)
+        span, tok = law.span(lambda n, _: table[n], b)
         busy = times(b).first + span
         if busy <= 0:
             return top
